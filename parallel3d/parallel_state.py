@@ -1,0 +1,319 @@
+"""Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
+
+The rank layout is a mixed-radix number: with the default order "tp-dp-pp",
+``rank = tp + TP * (dp + DP * pp)``, so TP ranks are adjacent (one node, NVLink)
+and pipeline stages are the slowest-varying coordinate (they span nodes).
+``build_group_ranks`` computes every group as a pure function, so the tables
+can be checked for any world size without starting a process;
+``initialize_model_parallel`` creates the torch.distributed groups from it.
+
+Two ways to use the groups:
+- explicit: ``state = initialize_model_parallel(...)`` returns a
+  :class:`ParallelState`; every parallel layer accepts explicit groups;
+- Megatron style: the module-level getters (``get_tensor_model_parallel_group()``
+  and friends) read the default state set by the last ``initialize_model_parallel``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+_ORDERS = ("tp-dp-pp", "tp-pp-dp")
+
+
+def _coords(rank: int, sizes: dict[str, int], order: str) -> dict[str, int]:
+    """Coordinates of ``rank`` when the dims of ``order`` vary fastest to slowest."""
+    coords = {}
+    for dim in order.split("-"):
+        coords[dim] = rank % sizes[dim]
+        rank //= sizes[dim]
+    return coords
+
+
+def _check_sizes(world_size: int, tp: int, pp: int, vp: Optional[int], order: str) -> int:
+    if order not in _ORDERS:
+        raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
+    if tp < 1 or pp < 1:
+        raise ValueError(
+            f"tensor_model_parallel_size ({tp}) and pipeline_model_parallel_size ({pp}) must be >= 1"
+        )
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size ({world_size}) is not divisible by tensor_model_parallel_size ({tp}) "
+            f"x pipeline_model_parallel_size ({pp}) = {tp * pp}"
+        )
+    if vp is not None:
+        if pp == 1:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size > 1 "
+                "(virtual stages interleave several pipeline ranks); use None with PP=1"
+            )
+        if vp < 1:
+            raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1, got {vp}")
+    return world_size // (tp * pp)
+
+
+def build_group_ranks(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    order: str = "tp-dp-pp",
+) -> dict[str, list[list[int]]]:
+    """Every group of the layout, as lists of global ranks (a pure function).
+
+    Keys: ``tp``, ``pp``, ``dp``, ``mp`` (TP x PP: one model replica),
+    ``embedding`` (first and last stage of each pipeline, for tied embeddings)
+    and ``position_embedding`` (first stage of each pipeline).
+    Each group's ranks are ordered by the coordinate that varies inside it.
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    dp = _check_sizes(world_size, tp, pp, None, order)
+    sizes = {"tp": tp, "dp": dp, "pp": pp}
+    coords = [_coords(r, sizes, order) for r in range(world_size)]
+
+    def groups_varying(dims: tuple[str, ...]) -> list[list[int]]:
+        fixed = [d for d in sizes if d not in dims]
+        by_key: dict[tuple[int, ...], list[int]] = {}
+        for r, c in enumerate(coords):  # ranks ascend, and so does each group's inner coordinate
+            by_key.setdefault(tuple(c[d] for d in fixed), []).append(r)
+        return sorted(by_key.values())
+
+    pp_groups = groups_varying(("pp",))
+    pp_groups = [sorted(g, key=lambda r: coords[r]["pp"]) for g in pp_groups]
+    embedding = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups]
+    return {
+        "tp": groups_varying(("tp",)),
+        "pp": pp_groups,
+        "dp": groups_varying(("dp",)),
+        "mp": groups_varying(("tp", "pp")),
+        "embedding": embedding,
+        "position_embedding": [[g[0]] for g in pp_groups],
+    }
+
+
+@dataclass
+class ParallelState:
+    """The groups this rank belongs to, plus its coordinates in the layout."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    data_parallel_size: int
+    virtual_pipeline_model_parallel_size: Optional[int]
+    order: str
+    rank: int
+    group_ranks: dict[str, list[int]]  # this rank's group of each kind
+    groups: dict[str, dist.ProcessGroup] = field(repr=False)
+    virtual_pipeline_model_parallel_rank: Optional[int] = None
+
+    # Names follow Megatron so that porting scripts is mechanical.
+    @property
+    def tensor_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups["tp"]
+
+    @property
+    def pipeline_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups["pp"]
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups["dp"]
+
+    @property
+    def model_parallel_group(self) -> dist.ProcessGroup:
+        return self.groups["mp"]
+
+    @property
+    def embedding_group(self) -> Optional[dist.ProcessGroup]:
+        return self.groups.get("embedding")
+
+    @property
+    def position_embedding_group(self) -> Optional[dist.ProcessGroup]:
+        return self.groups.get("position_embedding")
+
+    @property
+    def tensor_model_parallel_rank(self) -> int:
+        return self.group_ranks["tp"].index(self.rank)
+
+    @property
+    def pipeline_model_parallel_rank(self) -> int:
+        return self.group_ranks["pp"].index(self.rank)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.group_ranks["dp"].index(self.rank)
+
+    def pipeline_rank_to_global(self, pp_rank: int) -> int:
+        """Global rank of pipeline stage ``pp_rank`` in this rank's pipeline."""
+        return self.group_ranks["pp"][pp_rank]
+
+    def is_pipeline_first_stage(self, ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
+        if not ignore_virtual and self.virtual_pipeline_model_parallel_size is not None:
+            vp = self.virtual_pipeline_model_parallel_rank if vp_stage is None else vp_stage
+            if vp is not None and vp != 0:
+                return False
+        return self.pipeline_model_parallel_rank == 0
+
+    def is_pipeline_last_stage(self, ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
+        if not ignore_virtual and self.virtual_pipeline_model_parallel_size is not None:
+            vp = self.virtual_pipeline_model_parallel_rank if vp_stage is None else vp_stage
+            if vp is not None and vp != self.virtual_pipeline_model_parallel_size - 1:
+                return False
+        return self.pipeline_model_parallel_rank == self.pipeline_model_parallel_size - 1
+
+    def is_rank_in_embedding_group(self) -> bool:
+        return self.rank in self.group_ranks["embedding"]
+
+
+_STATE: Optional[ParallelState] = None
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    order: str = "tp-dp-pp",
+) -> ParallelState:
+    """Create the TP/PP/DP/model-parallel/embedding groups and make them the default.
+
+    Every rank must call this with the same arguments (torch.distributed.new_group
+    is collective over the whole world).
+    """
+    global _STATE
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group() "
+            "(torchrun sets the environment for it) before initialize_model_parallel()"
+        )
+    if _STATE is not None:
+        raise RuntimeError(
+            "model parallel groups are already initialised "
+            f"(TP={_STATE.tensor_model_parallel_size}, PP={_STATE.pipeline_model_parallel_size}); "
+            "call destroy_model_parallel() first"
+        )
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    dp = _check_sizes(
+        world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size, order,
+    )
+    tables = build_group_ranks(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, order)
+    groups: dict[str, dist.ProcessGroup] = {}
+    mine: dict[str, list[int]] = {}
+    for kind, table in tables.items():
+        for ranks in table:
+            # new_group is collective: every rank creates every group, keeps its own.
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                groups[kind], mine[kind] = group, ranks
+    for kind in ("embedding", "position_embedding"):
+        mine.setdefault(kind, [])
+    _STATE = ParallelState(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        data_parallel_size=dp,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        order=order,
+        rank=rank,
+        group_ranks=mine,
+        groups=groups,
+        virtual_pipeline_model_parallel_rank=0 if virtual_pipeline_model_parallel_size is not None else None,
+    )
+    return _STATE
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def get_parallel_state() -> ParallelState:
+    if _STATE is None:
+        raise RuntimeError("model parallel groups are not initialised: call initialize_model_parallel()")
+    return _STATE
+
+
+def destroy_model_parallel() -> None:
+    """Forget the default groups (the process groups themselves are freed with the world)."""
+    global _STATE
+    if _STATE is not None:
+        for group in set(_STATE.groups.values()):
+            if group is not None and group != dist.GroupMember.WORLD:
+                dist.destroy_process_group(group)
+    _STATE = None
+
+
+# Megatron-style module-level getters, reading the default state.
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().tensor_model_parallel_group
+
+
+def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().pipeline_model_parallel_group
+
+
+def get_data_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().data_parallel_group
+
+
+def get_model_parallel_group() -> dist.ProcessGroup:
+    return get_parallel_state().model_parallel_group
+
+
+def get_embedding_group() -> Optional[dist.ProcessGroup]:
+    return get_parallel_state().embedding_group
+
+
+def get_position_embedding_group() -> Optional[dist.ProcessGroup]:
+    return get_parallel_state().position_embedding_group
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_parallel_state().tensor_model_parallel_rank if _STATE is not None else 0
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_parallel_state().tensor_model_parallel_size if _STATE is not None else 1
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return get_parallel_state().pipeline_model_parallel_rank if _STATE is not None else 0
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return get_parallel_state().pipeline_model_parallel_size if _STATE is not None else 1
+
+
+def get_data_parallel_rank() -> int:
+    return get_parallel_state().data_parallel_rank if _STATE is not None else 0
+
+
+def get_data_parallel_world_size() -> int:
+    return get_parallel_state().data_parallel_size if _STATE is not None else 1
+
+
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+    return get_parallel_state().virtual_pipeline_model_parallel_rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    get_parallel_state().virtual_pipeline_model_parallel_rank = rank
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    return get_parallel_state().virtual_pipeline_model_parallel_size
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
+    if _STATE is None:
+        return True
+    return _STATE.is_pipeline_first_stage(ignore_virtual, vp_stage)
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
+    if _STATE is None:
+        return True
+    return _STATE.is_pipeline_last_stage(ignore_virtual, vp_stage)
+
+
+def is_rank_in_embedding_group() -> bool:
+    return _STATE is not None and _STATE.is_rank_in_embedding_group()

@@ -1,0 +1,158 @@
+"""Run a function on N CPU processes with gloo: the harness of every distributed test.
+
+    results = run_distributed(worker, world_size=4, args=(...,), timeout=120)
+
+``worker(rank, world_size, *args)`` must be a module-level function (it is
+pickled by reference).  The process group is initialised before it runs and
+destroyed after.  ``results[r]`` is rank r's return value.
+
+Failures are loud and bounded:
+- an exception on any rank fails the call with that rank's traceback, and the
+  other ranks (which are usually stuck waiting for the failed one) are killed;
+- a rank still running at ``timeout`` has its Python stack dumped from inside
+  (a watchdog thread), so the error says where each rank was waiting; then
+  every process is killed. No process outlives the call.
+
+Processes come from a forkserver that has already imported torch, so starting
+8 ranks costs well under a second each even on 2 cores; rendezvous goes through
+a FileStore in a fresh temporary directory, so tests need no free port and can
+run in parallel.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "parallel3d"])
+    return _CTX
+
+
+def _stack_of_main_thread() -> str:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "(no main thread frame)"
+    stack = traceback.extract_stack(frame)
+    # Drop the multiprocessing bootstrap frames: the story starts at the test function.
+    start = next((i for i, f in enumerate(stack) if f.name == "_child"), 0)
+    return "".join(traceback.format_list(stack[start + 1:]))
+
+
+def _watchdog(rank: int, seconds: float, results: Any, stop: threading.Event) -> None:
+    if not stop.wait(seconds):
+        results.put((rank, "timeout", _stack_of_main_thread()))
+
+
+def _child(fn: Callable, rank: int, world_size: int, store_dir: str, args: Sequence, timeout: float,
+           results: Any, env: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription makes gloo crawl
+    stop = threading.Event()
+    # The watchdog fires a little before the parent gives up, so its stack report arrives first.
+    threading.Thread(target=_watchdog, args=(rank, max(timeout - 3.0, 1.0), results, stop), daemon=True).start()
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(store_dir, 'store')}", rank=rank,
+            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        stop.set()
+        try:
+            from parallel3d import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown after a failure may itself fail
+            pass
+
+
+class DistributedTestError(AssertionError):
+    pass
+
+
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    args: Sequence = (),
+    timeout: float = 120.0,
+    env: dict | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return per-rank results."""
+    if not 1 <= world_size <= 16:
+        raise ValueError(f"world_size must be in 1..16, got {world_size}")
+    ctx = _context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="p3d_dist_") as store_dir:
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(fn, r, world_size, store_dir, tuple(args), timeout, results, dict(env or {})),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outcome: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        grace_deadline = None
+        try:
+            while len(outcome) < world_size:
+                now = time.monotonic()
+                limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
+                if now >= limit:
+                    break
+                try:
+                    rank, status, payload = results.get(timeout=min(0.5, limit - now))
+                except queue.Empty:
+                    for r, p in enumerate(procs):
+                        if r not in outcome and not p.is_alive() and p.exitcode not in (None, 0):
+                            outcome[r] = ("error", f"process exited with code {p.exitcode} without reporting")
+                    continue
+                if rank not in outcome or outcome[rank][0] == "timeout":
+                    outcome[rank] = (status, payload)
+                if status != "ok" and grace_deadline is None:
+                    # The others are most likely blocked on the failed rank: give them a moment, then stop.
+                    grace_deadline = time.monotonic() + 5.0
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+            results.close()
+
+    failures = {r: o for r, o in outcome.items() if o[0] != "ok"}
+    missing = [r for r in range(world_size) if r not in outcome]
+    if failures or missing:
+        lines = [f"distributed test {getattr(fn, '__name__', fn)} failed (world_size={world_size}, timeout={timeout}s)"]
+        for r in sorted(failures):
+            status, payload = failures[r]
+            what = "raised" if status == "error" else "timed out; it was waiting in"
+            lines.append(f"--- rank {r} {what}:\n{payload}")
+        if missing:
+            lines.append(f"--- ranks {missing} were killed (still running when the test was stopped)")
+        raise DistributedTestError("\n".join(lines))
+    return [outcome[r][1] for r in range(world_size)]

@@ -1,0 +1,147 @@
+"""parallel_state: group tables (pure function) and a real 8-process check."""
+import pytest
+import torch.distributed as dist
+
+from parallel3d import parallel_state as ps
+from parallel3d.testing import DistributedTestError, run_distributed
+
+
+def test_megatron_table_world16_tp2_pp4():
+    g = ps.build_group_ranks(16, 2, 4)
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert g["pp"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert g["embedding"] == [[0, 12], [1, 13], [2, 14], [3, 15]]
+    assert g["position_embedding"] == [[0], [1], [2], [3]]
+    assert g["mp"] == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+
+
+def test_tp_pp_dp_order():
+    g = ps.build_group_ranks(16, 2, 4, order="tp-pp-dp")
+    assert g["pp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert g["dp"] == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+    assert g["embedding"] == [[0, 6], [1, 7], [8, 14], [9, 15]]
+
+
+@pytest.mark.parametrize("world,tp,pp", [(1, 1, 1), (8, 2, 2), (8, 1, 8), (8, 8, 1), (12, 2, 3), (64, 4, 4)])
+@pytest.mark.parametrize("order", ["tp-dp-pp", "tp-pp-dp"])
+def test_groups_partition_the_world(world, tp, pp, order):
+    g = ps.build_group_ranks(world, tp, pp, order)
+    dp = world // (tp * pp)
+    for kind, size in (("tp", tp), ("pp", pp), ("dp", dp), ("mp", tp * pp)):
+        flat = sorted(r for grp in g[kind] for r in grp)
+        assert flat == list(range(world)), kind
+        assert all(len(grp) == size for grp in g[kind]), kind
+    # a TP group and a DP group meet in exactly one rank, and so do TP and PP
+    for t in g["tp"]:
+        for d in g["dp"]:
+            assert len(set(t) & set(d)) <= 1
+    if order == "tp-dp-pp":
+        assert all(grp == list(range(grp[0], grp[0] + tp)) for grp in g["tp"])  # TP ranks adjacent
+    assert all(e == ([p[0], p[-1]] if pp > 1 else [p[0]]) for e, p in zip(g["embedding"], g["pp"]))
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        ((12, 5, 1), r"world size \(12\) is not divisible by tensor_model_parallel_size \(5\)"),
+        ((8, 2, 3), r"= 6"),
+        ((8, 0, 1), r"must be >= 1"),
+    ],
+)
+def test_bad_sizes_name_the_numbers(args, match):
+    with pytest.raises(ValueError, match=match):
+        ps.build_group_ranks(*args)
+
+
+def test_bad_order():
+    with pytest.raises(ValueError, match="order must be one of"):
+        ps.build_group_ranks(8, 2, 2, order="pp-tp-dp")
+
+
+def test_not_initialised_error():
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
+        ps.initialize_model_parallel(1, 1)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        ps.get_tensor_model_parallel_group()
+
+
+def _check_real_groups(rank, world_size):
+    expect = ps.build_group_ranks(world_size, 2, 2)
+    out = {}
+    for order in ("tp-dp-pp", "tp-pp-dp"):
+        state = ps.initialize_model_parallel(2, 2, virtual_pipeline_model_parallel_size=2, order=order)
+        tables = ps.build_group_ranks(world_size, 2, 2, order)
+        for kind in ("tp", "pp", "dp", "mp", "embedding"):
+            mine = [grp for grp in tables[kind] if rank in grp]
+            assert state.group_ranks[kind] == (mine[0] if mine else []), kind
+        # the groups really connect the ranks we think they do
+        for kind, group in (("tp", ps.get_tensor_model_parallel_group()),
+                            ("pp", ps.get_pipeline_model_parallel_group()),
+                            ("dp", ps.get_data_parallel_group()),
+                            ("mp", ps.get_model_parallel_group())):
+            got = [None] * dist.get_world_size(group)
+            dist.all_gather_object(got, rank, group=group)
+            assert got == state.group_ranks[kind], (kind, got)
+        if ps.is_rank_in_embedding_group():
+            got = [None] * 2
+            dist.all_gather_object(got, rank, group=ps.get_embedding_group())
+            assert got == state.group_ranks["embedding"]
+        assert ps.get_tensor_model_parallel_world_size() == 2
+        assert ps.get_data_parallel_world_size() == 2
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        assert ps.is_pipeline_first_stage(ignore_virtual=True) == (pp_rank == 0)
+        ps.set_virtual_pipeline_model_parallel_rank(1)
+        assert not ps.is_pipeline_first_stage()
+        assert ps.is_pipeline_last_stage() == (pp_rank == 1)
+        assert ps.is_pipeline_first_stage(vp_stage=0) == (pp_rank == 0)
+        assert ps.get_virtual_pipeline_model_parallel_world_size() == 2
+        try:
+            ps.initialize_model_parallel(2, 2)
+        except RuntimeError as e:
+            assert "already initialised" in str(e)
+        else:
+            raise AssertionError("second initialize_model_parallel did not fail")
+        out[order] = (ps.get_tensor_model_parallel_rank(), pp_rank, ps.get_data_parallel_rank())
+        ps.destroy_model_parallel()
+        assert not ps.model_parallel_is_initialized()
+    try:
+        ps.initialize_model_parallel(1, 1, virtual_pipeline_model_parallel_size=2)
+    except ValueError as e:
+        assert "needs pipeline_model_parallel_size > 1" in str(e)
+    else:
+        raise AssertionError("virtual stages with PP=1 did not fail")
+    return out
+
+
+def test_real_groups_8_processes():
+    results = run_distributed(_check_real_groups, 8, timeout=90)
+    # rank = tp + 2*(dp + 2*pp) in the default order
+    for rank, res in enumerate(results):
+        assert res["tp-dp-pp"] == (rank % 2, rank // 4, (rank // 2) % 2)
+        assert res["tp-pp-dp"] == (rank % 2, (rank // 2) % 2, rank // 4)
+
+
+def _hang_on_rank1(rank, world_size):
+    import torch
+    if rank == 1:
+        return "skipped the collective"
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for rank 1 forever
+    return "unreachable"
+
+
+def _raise_on_rank1(rank, world_size):
+    if rank == 1:
+        raise ValueError("planted failure on rank 1")
+    import torch
+    dist.all_reduce(torch.ones(1))
+
+
+def test_harness_reports_hangs_and_errors():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_hang_on_rank1, 2, timeout=8)
+    msg = str(info.value)
+    assert "rank 0" in msg and ("all_reduce" in msg or "timed out" in msg), msg
+    with pytest.raises(DistributedTestError, match="rank 1 raised") as info:
+        run_distributed(_raise_on_rank1, 2, timeout=30)
+    assert "planted failure on rank 1" in str(info.value)
