@@ -1,0 +1,98 @@
+"""Cross-entropy over logits whose vocabulary is split across TP ranks.
+
+The full [s, b, vocab] logits are never gathered: each rank keeps its vocab
+slice and three small all-reduces over [s, b] (max, target logit, sum of exps)
+give the exact loss. Computed in fp32 whatever the logits' dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .mappings import all_reduce
+from .utils import group_rank_and_size, resolve_tp_group
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, vocab_size, group):
+        rank, world = group_rank_and_size(group)
+        ctx.logits_dtype = logits.dtype
+        logits = logits.float()
+        part = logits.size(-1)
+        start = rank * part
+        global_vocab = part * world
+        vocab_size = global_vocab if vocab_size is None else vocab_size
+        if not 0 < vocab_size <= global_vocab:
+            raise ValueError(f"vocab_size {vocab_size} must be in 1..{global_vocab} (the padded logits' width)")
+
+        # Padding columns (global id >= vocab_size) take no part in the softmax.
+        valid = None
+        if vocab_size < global_vocab:
+            ids = torch.arange(start, start + part, device=logits.device)
+            valid = ids < vocab_size
+            logits = logits.masked_fill(~valid, float("-inf"))
+
+        logits_max = logits.max(dim=-1)[0]
+        if world > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        logits = logits - logits_max.unsqueeze(-1)
+
+        outside = (target < start) | (target >= start + part)
+        local_target = (target - start).masked_fill(outside, 0)
+        predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        predicted = all_reduce(predicted, group)
+
+        exp_logits = logits.exp()
+        sum_exp = all_reduce(exp_logits.sum(dim=-1), group)
+        log_z = sum_exp.log()
+        loss = log_z - predicted
+
+        if label_smoothing > 0.0:
+            # F.cross_entropy's definition: (1 - e) * nll + e * mean over the vocab of -log p.
+            sum_logits = logits.masked_fill(~valid, 0.0).sum(-1) if valid is not None else logits.sum(-1)
+            mean_logits = all_reduce(sum_logits, group) / vocab_size
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - mean_logits)
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, outside, local_target, valid)
+        ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, outside, local_target, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        on_rank = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(1.0 - ctx.label_smoothing) * on_rank.unsqueeze(-1))
+        if ctx.label_smoothing > 0.0:
+            uniform = ctx.label_smoothing / ctx.vocab_size
+            grad -= uniform if valid is None else uniform * valid.to(grad.dtype)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    vocab_size: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """Per-token loss [same shape as target] from TP-split logits [..., vocab/tp].
+
+    ``vocab_size`` is the real (unpadded) vocabulary: logits of padding ids are
+    excluded, so the loss does not depend on how much padding TP needed.
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if vocab_parallel_logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"logits {tuple(vocab_parallel_logits.shape)} and target {tuple(target.shape)} disagree "
+            "(expected logits [..., vocab/tp] and target [...])"
+        )
+    return _VocabParallelCrossEntropy.apply(
+        vocab_parallel_logits, target, label_smoothing, vocab_size, resolve_tp_group(group)
+    )

@@ -1,0 +1,422 @@
+"""Column- and row-parallel linear layers and the vocab-parallel embedding (Megatron's).
+
+Initialisation is layout-independent: each layer initialises the FULL weight on
+the CPU with ``init_method`` (drawing from the global RNG, in a fixed order) and
+keeps its own slice, so a TP=k layer holds exactly the slices that the TP=1
+layer holds for the same seed.
+
+Parameters carry Megatron's attributes, which the optimizer and the gradient
+finalisation read:
+- ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride``: the
+  parameter is split across TP (else it is replicated and counted once in norms);
+- ``sequence_parallel``: a replicated parameter applied to a sequence shard,
+  whose gradient must be summed across TP (see ``allreduce_sequence_parallel_gradients``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .mappings import (
+    all_reduce,
+    gather_along_first_dim,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_along_first_dim,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from .utils import divide, group_rank_and_size, resolve_tp_group, vocab_range
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def init_method_normal(sigma: float) -> InitMethod:
+    """N(0, sigma) initialisation (Megatron's ``init_method_normal``)."""
+
+    def init_(tensor: torch.Tensor) -> None:
+        nn.init.normal_(tensor, mean=0.0, std=sigma)
+
+    return init_
+
+
+def scaled_init_method_normal(sigma: float, num_layers: int) -> InitMethod:
+    """N(0, sigma / sqrt(2 * num_layers)), for output projections (Megatron's)."""
+    return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = dim
+    param.partition_stride = stride
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
+    """True for the one copy of each parameter that gradient norms should count."""
+    return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
+
+
+def _init_partition(
+    weight: torch.Tensor,
+    full_shape: tuple[int, int],
+    partition_dim: int,
+    init_method: InitMethod,
+    rank: int,
+    world_size: int,
+    stride: int = 1,
+) -> None:
+    """Initialise the full weight on the CPU in fp32 and copy this rank's slice into ``weight``.
+
+    With ``stride`` s the partition dim is seen as s blocks (e.g. SwiGLU's [gate; up])
+    and each rank takes its slice of every block, as Megatron does.
+    """
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    per_block = divide(full_shape[partition_dim], stride * world_size, "partitioned dimension")
+    pieces = torch.split(master, per_block, dim=partition_dim)
+    mine = torch.cat(pieces[rank::world_size], dim=partition_dim)
+    with torch.no_grad():
+        weight.copy_(mine.to(weight.dtype))
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """out = x W^T (+ b), with TP communication fused into forward/backward.
+
+    - ``sequence_parallel``: x is a sequence shard; all-gather it in forward
+      (and again in backward, rather than keeping the gathered copy alive) and
+      reduce-scatter the input gradient.
+    - ``allreduce_dgrad``: the input is replicated across TP; all-reduce its gradient.
+      The collective is started before the weight-gradient GEMM so they overlap.
+    - ``gradient_accumulation_fusion``: with ``weight.main_grad`` present (the DDP
+      buffer), the weight gradient GEMM accumulates straight into it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group):
+        ctx.save_for_backward(x, weight)
+        ctx.use_bias = bias is not None
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.sequence_parallel = sequence_parallel
+        ctx.group = group
+        total_x = gather_along_first_dim(x, group) if sequence_parallel else x
+        out = torch.matmul(total_x, weight.t())
+        if bias is not None:
+            out = out + bias
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        total_x = gather_along_first_dim(x, group) if ctx.sequence_parallel else x
+        grad_input = grad_output.matmul(weight)
+
+        handle = None
+        if ctx.sequence_parallel:
+            _, size = group_rank_and_size(group)
+            sub_grad_input = torch.empty(
+                (grad_input.size(0) // size,) + tuple(grad_input.shape[1:]), dtype=grad_input.dtype,
+                device=grad_input.device,
+            )
+            handle = dist.reduce_scatter_tensor(sub_grad_input, grad_input.contiguous(), group=group, async_op=True)
+        elif ctx.allreduce_dgrad:
+            grad_input = grad_input.contiguous()
+            handle = dist.all_reduce(grad_input, group=group, async_op=True)
+
+        grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
+        total_x_2d = total_x.reshape(-1, total_x.size(-1))
+        if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
+            from parallel3d.fused import wgrad_accumulate
+
+            wgrad_accumulate(total_x_2d, grad_output_2d, weight.main_grad)
+            if hasattr(weight, "grad_added_to_main_grad"):
+                # The DDP hook expects a gradient to fire on; it is told not to add it.
+                grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+                weight.grad_added_to_main_grad = True
+            else:
+                grad_weight = None
+        else:
+            grad_weight = grad_output_2d.t().matmul(total_x_2d)
+        grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
+
+        if handle is not None:
+            handle.wait()
+        if ctx.sequence_parallel:
+            grad_input = sub_grad_input
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def linear_with_grad_accumulation_and_async_allreduce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    gradient_accumulation_fusion: bool = False,
+    allreduce_dgrad: bool = False,
+    sequence_parallel: bool = False,
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    return LinearWithGradAccumulationAndAsyncCommunication.apply(
+        x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group
+    )
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split along its output (column) dim across TP ranks.
+
+    Input [s, b, in] (a sequence shard [s/tp, b, in] with ``sequence_parallel``);
+    output [s, b, out/tp], or [s, b, out] with ``gather_output``.
+    Returns ``(output, bias)``; bias is None unless ``skip_bias_add`` (then the
+    caller adds it, typically fused with the next op).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        init_method: Optional[InitMethod] = None,
+        stride: int = 1,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        gradient_accumulation_fusion: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+        skip_weight_param_allocation: bool = False,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ):
+        super().__init__()
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output=True is incompatible with sequence_parallel=True")
+        self.tp_group = resolve_tp_group(tp_group)
+        rank, world = group_rank_and_size(self.tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, world, "ColumnParallelLinear output_size")
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel and world > 1
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.allreduce_dgrad = world > 1 and not self.sequence_parallel
+        device = device or _default_device()
+        init_method = init_method or init_method_normal(0.02)
+
+        if skip_weight_param_allocation:
+            self.weight = None  # supplied at forward time (e.g. a tied output layer)
+        else:
+            self.weight = nn.Parameter(
+                torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype, device=device)
+            )
+            _init_partition(self.weight, (output_size, input_size), 0, init_method, rank, world, stride)
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        if bias:
+            # Megatron initialises biases to zero; zero slices are layout-independent.
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs a weight in forward")
+            weight = self.weight
+        elif weight.shape != (self.output_size_per_partition, self.input_size):
+            raise ValueError(
+                f"supplied weight has shape {tuple(weight.shape)}, expected "
+                f"{(self.output_size_per_partition, self.input_size)}"
+            )
+        bias = self.bias if not self.skip_bias_add else None
+        out = linear_with_grad_accumulation_and_async_allreduce(
+            x, weight, bias, self.gradient_accumulation_fusion, self.allreduce_dgrad,
+            self.sequence_parallel, self.tp_group,
+        )
+        out_bias = self.bias if self.skip_bias_add else None
+        if self.gather_output:
+            out = gather_from_tensor_model_parallel_region(out, self.tp_group)
+            if out_bias is not None:  # the caller adds it to the gathered output: give the whole bias
+                out_bias = gather_from_tensor_model_parallel_region(out_bias, self.tp_group)
+        return out, out_bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size}, out_per_partition={self.output_size_per_partition}, "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split along its input (row) dim across TP ranks.
+
+    Input [s, b, in/tp] (``input_is_parallel``, the usual case after a
+    ColumnParallelLinear) or [s, b, in]; output [s, b, out] summed over TP, or a
+    sequence shard [s/tp, b, out] with ``sequence_parallel`` (reduce-scatter).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        init_method: Optional[InitMethod] = None,
+        stride: int = 1,
+        skip_bias_add: bool = False,
+        sequence_parallel: bool = False,
+        gradient_accumulation_fusion: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ):
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        rank, world = group_rank_and_size(self.tp_group)
+        if sequence_parallel and not input_is_parallel and world > 1:
+            raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, world, "RowParallelLinear input_size")
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel and world > 1
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        device = device or _default_device()
+        init_method = init_method or init_method_normal(0.02)
+
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype, device=device)
+        )
+        _init_partition(self.weight, (output_size, input_size), 1, init_method, rank, world, stride)
+        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+            # Replicated; applied to a sequence shard under SP, so its gradient needs a TP sum.
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor):
+        x_parallel = x if self.input_is_parallel else scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        out = linear_with_grad_accumulation_and_async_allreduce(
+            x_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False, self.tp_group
+        )
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        else:
+            out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
+        if self.skip_bias_add or self.bias is None:
+            return out, (self.bias if self.skip_bias_add else None)
+        return out + self.bias, None
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, in_per_partition={self.input_size_per_partition}, out={self.output_size}, "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+
+
+def vocab_size_with_padding(
+    orig_vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1
+) -> int:
+    """Pad the vocabulary to a multiple of divisor x TP (Megatron's ``_vocab_size_with_padding``)."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return ((orig_vocab_size + multiple - 1) // multiple) * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the (padded) vocabulary split across TP ranks.
+
+    Each rank looks up the ids in its range and zeroes the rest; the partial
+    results are summed over TP (or reduce-scattered into sequence shards with
+    ``reduce_scatter_embeddings``, which also turns [b, s, h] into [s/tp, b, h]).
+    Rows past ``num_embeddings`` are padding: initialised to zero, so the real
+    rows do not depend on TP.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_method: Optional[InitMethod] = None,
+        make_vocab_size_divisible_by: int = 128,
+        reduce_scatter_embeddings: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ):
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        rank, world = group_rank_and_size(self.tp_group)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padded_num_embeddings = vocab_size_with_padding(num_embeddings, make_vocab_size_divisible_by, world)
+        self.vocab_start_index, self.vocab_end_index = vocab_range(self.padded_num_embeddings, rank, world)
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings and world > 1
+        device = device or _default_device()
+        init_method = init_method or init_method_normal(0.02)
+
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype, device=device)
+        )
+        master = torch.zeros(self.padded_num_embeddings, embedding_dim, dtype=torch.float32)
+        init_method(master[:num_embeddings])
+        with torch.no_grad():
+            self.weight.copy_(master[self.vocab_start_index:self.vocab_end_index].to(params_dtype))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        _, world = group_rank_and_size(self.tp_group)
+        if world > 1:
+            outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+            local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        else:
+            local_ids = input_ids
+        out = F.embedding(local_ids, self.weight)
+        if world > 1:
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            return reduce_scatter_to_sequence_parallel_region(out.transpose(0, 1).contiguous(), self.tp_group)
+        return reduce_from_tensor_model_parallel_region(out, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings}, padded={self.padded_num_embeddings}, "
+                f"per_partition={self.num_embeddings_per_partition}, dim={self.embedding_dim}")
+
+
+def allreduce_sequence_parallel_gradients(
+    params: Iterable[torch.nn.Parameter], group: Optional[dist.ProcessGroup] = None
+) -> None:
+    """Sum over TP the gradients of replicated parameters applied to sequence shards.
+
+    Under sequence parallelism each TP rank sees only its slice of the sequence,
+    so LayerNorm weights and row-parallel biases get partial gradients. The
+    gradient lives in ``main_grad`` when the DDP wrapper is used, else in ``grad``.
+    All of them travel in one flat buffer: one collective instead of one per tensor.
+    """
+    group = resolve_tp_group(group)
+    _, world = group_rank_and_size(group)
+    if world == 1:
+        return
+    grads = []
+    for p in params:
+        if getattr(p, "sequence_parallel", False):
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                grads.append(g)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch._utils._flatten_dense_tensors(same)
+        all_reduce(flat, group)
+        for g, synced in zip(same, torch._utils._unflatten_dense_tensors(flat, same)):
+            g.copy_(synced)

@@ -1,0 +1,183 @@
+"""Autograd-aware communication for the tensor-parallel region.
+
+Each function is an identity-or-collective in forward paired with its adjoint in
+backward (Megatron's mappings). Activations are [s, b, h]: the TP split is along
+the last (hidden) dim, the sequence-parallel split along the first (sequence) dim.
+``group=None`` means the default TP group; with no group (a single process) every
+mapping is the identity.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .utils import group_rank_and_size, resolve_tp_group
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    rank, size = group_rank_and_size(group)
+    if size == 1:
+        return x
+    if x.size(dim) % size != 0:
+        raise ValueError(f"dimension {dim} of size {x.size(dim)} is not divisible by the TP size {size}")
+    return x.chunk(size, dim=dim)[rank].contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    _, size = group_rank_and_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    # all_gather_into_tensor concatenates along dim 0; move the dim there and back.
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((size * moved.size(0),) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    _, size = group_rank_and_size(group)
+    if size == 1:
+        return x
+    if x.size(0) % size != 0:
+        raise ValueError(f"sequence length {x.size(0)} is not divisible by the TP size {size}")
+    x = x.contiguous()
+    out = torch.empty((x.size(0) // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone() if group is not None else x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, -1, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group), None
+
+
+class _ScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 0, ctx.group), None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group, ctx.tp_output_grad = group, tensor_parallel_output_grad
+        return _gather(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # If the consumer is TP-parallel each rank holds a partial gradient: reduce-scatter.
+        # If it is replicated (e.g. a gathered LayerNorm output), each rank holds the full one: split.
+        if ctx.tp_output_grad:
+            return _reduce_scatter_first_dim(grad, ctx.group), None, None
+        return _split(grad, 0, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, 0, ctx.group), None
+
+
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward."""
+    return _CopyToRegion.apply(x, resolve_tp_group(group))
+
+
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """All-reduce forward; identity backward."""
+    return _ReduceFromRegion.apply(x, resolve_tp_group(group))
+
+
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Keep this rank's slice of the last dim; all-gather the gradient."""
+    return _ScatterToRegion.apply(x, resolve_tp_group(group))
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """All-gather along the last dim; split the gradient."""
+    return _GatherFromRegion.apply(x, resolve_tp_group(group))
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Keep this rank's slice of the sequence (first) dim; all-gather the gradient."""
+    return _ScatterToSequenceRegion.apply(x, resolve_tp_group(group))
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, tensor_parallel_output_grad: bool = True, group: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
+    """All-gather along the sequence dim; reduce-scatter (or split) the gradient."""
+    return _GatherFromSequenceRegion.apply(x, resolve_tp_group(group), tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Reduce-scatter along the sequence dim; all-gather the gradient."""
+    return _ReduceScatterToSequenceRegion.apply(x, resolve_tp_group(group))
+
+
+# The raw collectives, for the linear layers' own autograd function.
+def gather_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
+    return _gather(x, 0, group)
+
+
+all_reduce = _all_reduce
+reduce_scatter_along_first_dim = _reduce_scatter_first_dim

@@ -1,0 +1,166 @@
+"""RNG streams for tensor parallelism, and activation checkpointing that replays them.
+
+Dropout on activations that are split across TP ranks (attention probabilities
+of a head shard, sequence-parallel shards) must differ between ranks, while
+dropout on replicated activations must be identical on every TP rank. Megatron
+keeps named generator states in a tracker: ``model_parallel_cuda_manual_seed``
+seeds the default generator identically on all TP ranks and adds a
+"model-parallel-rng" stream seeded per TP rank; ``with get_cuda_rng_tracker().fork():``
+runs a region on that stream.
+
+The tracker works on the accelerator's generator (CUDA when available, else the
+CPU's), so the same code and tests run on both.
+
+``checkpoint`` (activation recomputation) saves the default and tracked
+generator states before the forward and restores them for the recompute, so
+recomputed dropout masks are identical to the original ones.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+_MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+
+
+def _use_cuda() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _get_rng_state() -> torch.Tensor:
+    return torch.cuda.get_rng_state() if _use_cuda() else torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor) -> None:
+    if _use_cuda():
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+def _manual_seed(seed: int) -> None:
+    if _use_cuda():
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+class RNGStatesTracker:
+    """Named generator states that can be swapped in for a region (Megatron's CudaRNGStatesTracker)."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, torch.Tensor] = {}
+        self.seeds: set[int] = set()
+
+    def reset(self) -> None:
+        self.states, self.seeds = {}, set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = {k: v.clone() for k, v in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds:
+            raise ValueError(f"seed {seed} already exists in the RNG tracker")
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists in the tracker")
+        self.seeds.add(seed)
+        saved = _get_rng_state()
+        _manual_seed(seed)
+        self.states[name] = _get_rng_state()
+        _set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME):
+        """Run the region on stream ``name``; the default stream is left untouched."""
+        if name not in self.states:
+            raise KeyError(
+                f"RNG state {name!r} is not in the tracker: call model_parallel_cuda_manual_seed(seed) first"
+            )
+        saved = _get_rng_state()
+        _set_rng_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_rng_state()
+            _set_rng_state(saved)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_cuda_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker (Megatron's name; it tracks CPU generators on a CPU-only machine)."""
+    return _TRACKER
+
+
+def model_parallel_cuda_manual_seed(seed: int, tp_rank: int | None = None) -> None:
+    """Seed the default stream with ``seed`` (same on all TP ranks) and the TP stream per rank.
+
+    The model-parallel stream uses seed + 2718 + tp_rank, as in Megatron.
+    """
+    if tp_rank is None:
+        from parallel3d import parallel_state
+
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed)
+    _TRACKER.reset()
+    _TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """Run ``function`` without keeping its activations; recompute them in backward with the same RNG."""
+
+    @staticmethod
+    def forward(ctx, function, *args):
+        ctx.function = function
+        ctx.cpu_rng_state = torch.get_rng_state()
+        ctx.cuda_rng_state = torch.cuda.get_rng_state() if _use_cuda() else None
+        ctx.tracker_states = _TRACKER.get_states()
+        with torch.no_grad():
+            outputs = function(*args)
+        ctx.tensor_indices = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.save_for_backward(*[args[i] for i in ctx.tensor_indices])
+        ctx.args = [None if torch.is_tensor(a) else a for a in args]
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        args = list(ctx.args)
+        for i, t in zip(ctx.tensor_indices, ctx.saved_tensors):
+            args[i] = t.detach().requires_grad_(t.requires_grad)
+
+        # Replay the RNG as it was in forward, then put the current states back.
+        cpu_now = torch.get_rng_state()
+        cuda_now = torch.cuda.get_rng_state() if _use_cuda() else None
+        tracker_now = _TRACKER.get_states()
+        torch.set_rng_state(ctx.cpu_rng_state)
+        if ctx.cuda_rng_state is not None:
+            torch.cuda.set_rng_state(ctx.cuda_rng_state)
+        _TRACKER.set_states(ctx.tracker_states)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.function(*args)
+        finally:
+            torch.set_rng_state(cpu_now)
+            if cuda_now is not None:
+                torch.cuda.set_rng_state(cuda_now)
+            _TRACKER.set_states(tracker_now)
+
+        if torch.is_tensor(outputs):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None,) + tuple(a.grad if torch.is_tensor(a) else None for a in args)
+
+
+def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """Activation recomputation that reproduces dropout masks (Megatron's ``tensor_parallel.checkpoint``)."""
+    return CheckpointFunction.apply(function, *args)
