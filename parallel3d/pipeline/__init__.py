@@ -1,0 +1,9 @@
+"""Pipeline parallelism: schedules as data, a validator/simulator, one executor.
+
+    from parallel3d.pipeline import build_schedule, validate, simulate, get_forward_backward_func
+"""
+from .executor import PipelineGroup, ScheduleExecutor, custom_backward, deallocate_output_tensor
+from .forward_backward import forward_backward, get_forward_backward_func
+from .p2p import TensorSpec
+from .schedules import Action, Schedule, ScheduleError, build_schedule
+from .simulate import SimResult, simulate, validate

@@ -1,0 +1,294 @@
+"""One executor for every schedule: walk this rank's action list and do what it says.
+
+    F(m, c)       forward of microbatch m on local chunk c (its input was received,
+                  or comes from the data on the first virtual stage)
+    B(m, c)       backward of it (from the loss on the last virtual stage, else from
+                  the received output gradient)
+    SEND_*/RECV_* a run of them is one batch_isend_irecv (see p2p.exchange)
+
+The model-facing contract is Megatron's, so forward-step functions port as they are:
+``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`` and, on
+the last stage, ``loss_func(output_tensor) -> (loss, reduced_dict)`` or
+``(loss, num_tokens, reduced_dict)``. Before each forward the executor calls
+``model.set_input_tensor(received)`` (None on the first stage).
+
+Memory: an activation is dropped as soon as its backward ran, so 1F1B holds at
+most P microbatches' activations, not M; with ``deallocate_pipeline_outputs``
+the data of an output is also freed once it was sent (Megatron's output
+deallocation; its autograd graph stays).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from parallel3d import parallel_state
+
+from .p2p import TensorSpec, Transfer, exchange
+from .schedules import Action, Schedule
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+@dataclass
+class PipelineGroup:
+    """Who this rank talks to: the PP group, its global ranks in stage order, and this rank's stage."""
+
+    group: Optional[dist.ProcessGroup]
+    ranks: list[int]
+    stage: int
+
+    @staticmethod
+    def from_state(state: Optional[parallel_state.ParallelState] = None) -> "PipelineGroup":
+        if state is None:
+            if not parallel_state.model_parallel_is_initialized():
+                return PipelineGroup(None, [0], 0)
+            state = parallel_state.get_parallel_state()
+        return PipelineGroup(state.pipeline_model_parallel_group, list(state.group_ranks["pp"]),
+                             state.pipeline_model_parallel_rank)
+
+
+@dataclass
+class ExecutorStats:
+    """What the run held, for tests and the benchmark: peak activations in flight per chunk set."""
+
+    inflight: int = 0
+    peak_inflight: int = 0
+    order: list[str] = field(default_factory=list)
+
+
+def _as_tuple(x: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> Tensors:
+    if x is None:
+        return ()
+    if torch.is_tensor(x):
+        return (x,)
+    return tuple(x)
+
+
+def deallocate_output_tensor(out: torch.Tensor) -> None:
+    """Free an output's data once it was sent, keeping its grad_fn (Megatron's trick).
+
+    Backward then runs through :func:`custom_backward`, since autograd's own
+    entry point insists that output and gradient shapes agree. Only valid when
+    no backward function saved ``out`` itself (true of a residual add, false of
+    e.g. ``tanh`` or ``x ** 2`` as the last op): hence opt-in.
+    """
+    if out is None or out._base is not None:
+        return  # a view shares storage with its base: nothing to free safely
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def custom_backward(outputs: Tensors, grads: Tensors) -> None:
+    """Backward from outputs whose data may have been deallocated (Megatron's custom_backward)."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if o is not None and o.requires_grad]
+    if not pairs:
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=tuple(o for o, _ in pairs),
+        grad_tensors=tuple(g for _, g in pairs),
+        keep_graph=False,
+        create_graph=False,
+        inputs=tuple(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+def _set_virtual_rank(chunk: Optional[int]) -> None:
+    if parallel_state.model_parallel_is_initialized() and \
+            parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
+
+
+class ScheduleExecutor:
+    """Runs one schedule on this rank's model chunks."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        forward_step_func: Callable,
+        data_iterator: Union[Iterator, Sequence[Iterator], None],
+        model: Sequence[torch.nn.Module],
+        *,
+        pipeline: PipelineGroup,
+        recv_spec: Optional[TensorSpec],
+        variable_seq_lengths: bool = False,
+        forward_only: bool = False,
+        grad_scale_func: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        calculate_per_token_loss: bool = False,
+        deallocate_pipeline_outputs: bool = False,
+        device: Optional[torch.device] = None,
+    ):
+        if len(model) != schedule.num_model_chunks:
+            raise ValueError(f"schedule {schedule.name!r} expects {schedule.num_model_chunks} model chunk(s) "
+                             f"per rank, got {len(model)}")
+        if pipeline.stage >= schedule.num_stages or len(pipeline.ranks) != schedule.num_stages:
+            raise ValueError(f"schedule has {schedule.num_stages} stages but the pipeline group has "
+                             f"{len(pipeline.ranks)} ranks (this is stage {pipeline.stage})")
+        self.schedule, self.model, self.pipeline = schedule, list(model), pipeline
+        self.forward_step_func = forward_step_func
+        self.data_iterators = (list(data_iterator) if isinstance(data_iterator, (list, tuple))
+                               else [data_iterator] * len(self.model))
+        self.recv_spec = recv_spec
+        self.variable = variable_seq_lengths
+        self.forward_only = forward_only
+        self.grad_scale_func = grad_scale_func
+        self.per_token = calculate_per_token_loss
+        self.deallocate = deallocate_pipeline_outputs and not forward_only
+        self.device = device or _model_device(self.model[0])
+        P, V = schedule.num_stages, schedule.num_model_chunks
+        self.num_virtual = P * V
+        # per (microbatch, chunk): received input, produced output, received/produced gradients
+        self.inputs: dict[tuple[int, int], Tensors] = {}
+        self.outputs: dict[tuple[int, int], Tensors] = {}
+        self.output_specs: dict[tuple[int, int], TensorSpec] = {}
+        self.output_grads: dict[tuple[int, int], Tensors] = {}
+        self.input_grads: dict[tuple[int, int], Tensors] = {}
+        self.losses: list[Any] = []
+        self.num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.stats = ExecutorStats()
+        # the microbatch of each chunk's last backward: only that one reduces gradients over DP
+        self.last_backward = {a.chunk: a.microbatch for a in schedule.actions[pipeline.stage] if a.kind == "B"}
+
+    # ------------------------------------------------------------------ helpers
+    def _virtual_stage(self, chunk: int) -> int:
+        return chunk * self.schedule.num_stages + self.pipeline.stage
+
+    def _is_first(self, chunk: int) -> bool:
+        return self._virtual_stage(chunk) == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return self._virtual_stage(chunk) == self.num_virtual - 1
+
+    # ------------------------------------------------------------------ compute
+    def _forward(self, mb: int, chunk: int) -> None:
+        key = (mb, chunk)
+        _set_virtual_rank(chunk)
+        model = self.model[chunk]
+        inputs = self.inputs.get(key)
+        if not self._is_first(chunk):
+            if inputs is None:
+                raise RuntimeError(f"F{mb}.{chunk} on stage {self.pipeline.stage}: no input was received")
+        set_input = getattr(model, "set_input_tensor", None)
+        if set_input is not None:
+            set_input(None if inputs is None else (inputs[0] if len(inputs) == 1 else inputs))
+        elif inputs is not None:
+            raise TypeError("a model chunk of a non-first pipeline stage must define set_input_tensor()")
+
+        grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
+        with grad_ctx:
+            output, loss_func = self.forward_step_func(self.data_iterators[chunk], model)
+            if self._is_last(chunk):
+                result = loss_func(output)
+                if len(result) == 3:
+                    loss, num_tokens, reduced = result
+                    self.num_tokens += torch.as_tensor(num_tokens, device=self.device).to(torch.int64)
+                elif len(result) == 2:
+                    loss, reduced = result
+                    if not self.per_token:
+                        loss = loss / self.schedule.num_microbatches
+                else:
+                    raise ValueError("loss_func must return (loss, dict) or (loss, num_tokens, dict)")
+                self.losses.append(reduced)
+                output = loss
+        outputs = _as_tuple(output)
+        if self.forward_only:
+            self.inputs.pop(key, None)
+        else:
+            self.stats.inflight += 1
+            self.stats.peak_inflight = max(self.stats.peak_inflight, self.stats.inflight)
+        self.outputs[key] = outputs
+        self.output_specs[key] = TensorSpec.of(outputs)
+
+    def _backward(self, mb: int, chunk: int) -> None:
+        key = (mb, chunk)
+        _set_virtual_rank(chunk)
+        outputs = self.outputs.pop(key)
+        inputs = self.inputs.pop(key, ())
+        if self._is_last(chunk):
+            loss = outputs[0]
+            if self.grad_scale_func is not None:
+                loss = self.grad_scale_func(loss)
+            grads: Tensors = (torch.ones_like(loss),)
+            outputs = (loss,)
+        else:
+            grads = self.output_grads.pop(key)
+        model = self.model[chunk]
+        # Gradients are only reduced across data-parallel replicas with a chunk's last backward.
+        sync = getattr(model, "no_sync", None)
+        ctx = contextlib.nullcontext() if sync is None or mb == self.last_backward[chunk] else sync()
+        with ctx:
+            custom_backward(outputs, grads)
+        if not self._is_first(chunk):
+            self.input_grads[key] = tuple(x.grad for x in inputs)
+        self.stats.inflight -= 1
+
+    # ------------------------------------------------------------------ communication
+    def _communicate(self, batch: list[Action]) -> None:
+        transfers: list[tuple[Action, Transfer]] = []
+        for a in batch:
+            peer = self.pipeline.ranks[a.peer]
+            key = (a.microbatch, a.chunk)
+            if a.kind == "SEND_F":
+                transfers.append((a, Transfer("send", peer, tensors=tuple(t.detach() for t in self.outputs[key]))))
+            elif a.kind == "SEND_B":
+                transfers.append((a, Transfer("send", peer, tensors=self.input_grads.pop(key))))
+            elif a.kind == "RECV_F":
+                transfers.append((a, Transfer("recv", peer, spec=None if self.variable else self.recv_spec,
+                                              requires_grad=not self.forward_only, negotiate=self.variable)))
+            elif a.kind == "RECV_B":
+                # The gradient of what we sent: we know its shapes, no negotiation needed.
+                transfers.append((a, Transfer("recv", peer, spec=self.output_specs[key])))
+            if a.kind == "SEND_F":
+                transfers[-1][1].negotiate = self.variable
+        exchange([t for _, t in transfers], self.pipeline.group, self.device)
+        for a, t in transfers:
+            key = (a.microbatch, a.chunk)
+            if a.kind == "RECV_F":
+                self.inputs[key] = t.tensors
+            elif a.kind == "RECV_B":
+                self.output_grads[key] = t.tensors
+            elif a.kind == "SEND_F":
+                if self.forward_only:
+                    self.outputs.pop(key, None)
+                elif self.deallocate:
+                    for out in self.outputs[key]:
+                        deallocate_output_tensor(out)
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> list[Any]:
+        for step in self.schedule.steps(self.pipeline.stage):
+            if isinstance(step, list):
+                self._communicate(step)
+                continue
+            self.stats.order.append(str(step))
+            if step.kind == "F":
+                self._forward(step.microbatch, step.chunk)
+            elif not self.forward_only:
+                self._backward(step.microbatch, step.chunk)
+        _set_virtual_rank(0)
+        return self.losses if self._is_last(self.schedule.num_model_chunks - 1) else []
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def forward_only_schedule(schedule: Schedule) -> Schedule:
+    """The forward half of a schedule (evaluation): each rank runs only its forwards.
+
+    For one chunk per rank this is GPipe's forward phase; for interleaved
+    schedules the same lockstep order without the backwards.
+    """
+    from .schedules import build_schedule
+
+    P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_model_chunks
+    base = build_schedule("no-pipelining" if P == 1 else "gpipe", P, M) if V == 1 else schedule
+    actions = [[a for a in rank_actions if a.kind in ("F", "SEND_F", "RECV_F")] for rank_actions in base.actions]
+    return Schedule(base.name + "/forward-only", P, M, V, actions)
