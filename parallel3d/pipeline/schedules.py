@@ -1,0 +1,338 @@
+"""Pipeline schedules as data: per pipeline rank, an ordered list of actions.
+
+A schedule says, for every pipeline rank, which forward (F) and backward (B)
+steps to run for which (microbatch, local model chunk), and where the
+point-to-point sends/receives go.  The executor runs each rank's list in
+order; every maximal run of consecutive communication actions is issued as
+ONE ``torch.distributed.batch_isend_irecv`` call and waited on before going
+on.  ``parallel3d.pipeline.simulate.validate`` checks that a schedule is
+complete, correctly matched and deadlock-free under exactly that model.
+
+Virtual stages follow Megatron: virtual stage ``v = chunk * P + rank`` lives
+on ``rank`` as its local model chunk ``chunk``.  A microbatch's forward runs
+through v = 0 .. V*P-1 (stage v's output goes to rank ``(rank + 1) % P``; on
+the last rank it wraps to rank 0, chunk + 1); its backward runs in reverse.
+Virtual stage 0 reads data, virtual stage V*P-1 computes the loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMPUTE_KINDS = ("F", "B")
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+SCHEDULE_NAMES = ("no-pipelining", "gpipe", "1f1b", "interleaved-1f1b")
+
+
+class ScheduleError(ValueError):
+    """A schedule is incomplete, mismatched or would deadlock."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # one of COMPUTE_KINDS or COMM_KINDS
+    microbatch: int
+    chunk: int  # local model chunk index on this rank (0..V-1)
+    peer: int | None = None  # pipeline rank on the other side of a SEND_*/RECV_*
+
+    def __post_init__(self) -> None:
+        if self.kind not in COMPUTE_KINDS + COMM_KINDS:
+            raise ValueError(f"unknown action kind {self.kind!r}; valid kinds: {COMPUTE_KINDS + COMM_KINDS}")
+        if self.is_comm and self.peer is None:
+            raise ValueError(f"{self.kind}{self.microbatch}.{self.chunk} needs a peer rank")
+        if not self.is_comm and self.peer is not None:
+            raise ValueError(f"compute action {self.kind}{self.microbatch}.{self.chunk} takes no peer")
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM_KINDS
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}.{self.chunk}"
+
+
+@dataclass
+class Schedule:
+    name: str
+    num_stages: int
+    num_microbatches: int
+    num_model_chunks: int
+    actions: list[list[Action]]  # actions[rank] = ordered list for that pipeline rank
+
+    def virtual_stage(self, rank: int, chunk: int) -> int:
+        return chunk * self.num_stages + rank
+
+    def steps(self, rank: int) -> list[Action | list[Action]]:
+        """Rank's actions with each maximal run of comm actions grouped into one list (one batch)."""
+        out: list[Action | list[Action]] = []
+        for action in self.actions[rank]:
+            if not action.is_comm:
+                out.append(action)
+            elif out and isinstance(out[-1], list):
+                out[-1].append(action)
+            else:
+                out.append([action])
+        return out
+
+    def comm_batches(self, rank: int) -> list[list[Action]]:
+        """The batches of comm actions rank issues, in order (each is one batch_isend_irecv)."""
+        return [step for step in self.steps(rank) if isinstance(step, list)]
+
+    def __str__(self) -> str:
+        header = (f"{self.name}: {self.num_stages} stages, {self.num_microbatches} microbatches, "
+                  f"{self.num_model_chunks} model chunk(s) per rank; [..] = one comm batch")
+        rows = [header]
+        for rank in range(self.num_stages):
+            cells = []
+            for step in self.steps(rank):
+                if isinstance(step, list):
+                    cells.append("[" + " ".join(f"{a}{'>' if a.kind.startswith('SEND') else '<'}{a.peer}"
+                                                for a in step) + "]")
+                else:
+                    cells.append(str(step))
+            rows.append(f"rank {rank}: " + " ".join(cells))
+        return "\n".join(rows)
+
+
+# --- argument checks ----------------------------------------------------------------------------
+
+def _check_args(name: str, num_stages: int, num_microbatches: int, num_model_chunks: int,
+                group_size: int | None) -> None:
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(SCHEDULE_NAMES)}")
+    P, M, V = num_stages, num_microbatches, num_model_chunks
+    for arg, value in (("num_stages", P), ("num_microbatches", M), ("num_model_chunks", V)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{arg} must be an int, got {value!r}")
+    if P < 1:
+        raise ValueError(f"num_stages (pipeline size) must be >= 1, got {P}")
+    if M < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {M}")
+    if V < 1:
+        raise ValueError(f"num_model_chunks must be >= 1, got {V}")
+    if name == "no-pipelining" and P != 1:
+        raise ValueError(f"'no-pipelining' runs the whole model on one rank, so num_stages must be 1, "
+                         f"got {P}; use 'gpipe', '1f1b' or 'interleaved-1f1b' for {P} stages")
+    if name != "interleaved-1f1b" and V != 1:
+        raise ValueError(f"{name!r} uses one model chunk per rank, got num_model_chunks={V}; "
+                         f"use 'interleaved-1f1b' for {V} chunks per rank, or num_model_chunks=1")
+    if name != "interleaved-1f1b" and group_size is not None:
+        raise ValueError(f"microbatch_group_size_per_vp_stage only applies to 'interleaved-1f1b', not {name!r}")
+    if name == "interleaved-1f1b":
+        if V < 2:
+            raise ValueError(f"'interleaved-1f1b' needs num_model_chunks >= 2, got {V}; "
+                             f"use '1f1b' for one chunk per rank")
+        if P < 2:
+            raise ValueError(f"'interleaved-1f1b' needs num_stages >= 2, got {P}; with one stage "
+                             f"use 'no-pipelining' (and num_model_chunks=1)")
+        if M < P:
+            raise ValueError(
+                f"'interleaved-1f1b' needs num_microbatches >= num_stages: each rank's chunk c+1 "
+                f"consumes what the last rank's chunk c produced, which takes a group of {P} "
+                f"microbatches to fill the ring; got num_microbatches={M} < num_stages={P}. "
+                f"Any num_microbatches >= {P} works (or use '1f1b').")
+        G = P if group_size is None else group_size
+        if not P <= G <= M:
+            raise ValueError(f"microbatch_group_size_per_vp_stage must be in [num_stages, num_microbatches] "
+                             f"= [{P}, {M}], got {G}")
+
+
+# --- one chunk per rank: compute order, then comm next to the compute ---------------------------
+# Each of these returns, per rank, the ordered compute steps ("F" | "B", microbatch, chunk).
+
+def _no_pipelining_order(num_microbatches: int) -> list[list[tuple[str, int, int]]]:
+    # Plain gradient accumulation: forward and backward each microbatch before the next.
+    order = []
+    for mb in range(num_microbatches):
+        order += [("F", mb, 0), ("B", mb, 0)]
+    return [order]
+
+
+def _gpipe_order(num_stages: int, num_microbatches: int) -> list[list[tuple[str, int, int]]]:
+    order = [("F", mb, 0) for mb in range(num_microbatches)]
+    order += [("B", mb, 0) for mb in range(num_microbatches)]
+    return [list(order) for _ in range(num_stages)]
+
+
+def _1f1b_order(num_stages: int, num_microbatches: int) -> list[list[tuple[str, int, int]]]:
+    """Megatron's non-interleaved 1F1B (forward_backward_pipelining_without_interleaving)."""
+    P, M = num_stages, num_microbatches
+    orders = []
+    for rank in range(P):
+        warmup = min(P - rank - 1, M)  # forwards in flight before the first backward can arrive
+        order = [("F", mb, 0) for mb in range(warmup)]
+        for i in range(M - warmup):  # steady state: one forward, one backward
+            order += [("F", warmup + i, 0), ("B", i, 0)]
+        order += [("B", mb, 0) for mb in range(M - warmup, M)]  # cooldown
+        orders.append(order)
+    return orders
+
+
+def _add_comm(num_stages: int, num_model_chunks: int,
+              orders: list[list[tuple[str, int, int]]]) -> list[list[Action]]:
+    """Put each RECV right before the compute that needs it and each SEND right after the one
+    that produced it.  Consecutive comm actions then form one batch, so a 1F1B steady state
+    gets Megatron's fused send_forward_recv_backward / send_backward_recv_forward."""
+    P, last = num_stages, num_stages * num_model_chunks - 1
+    actions = []
+    for rank, order in enumerate(orders):
+        nxt, prev = (rank + 1) % P, (rank - 1) % P
+        out = []
+        for kind, mb, chunk in order:
+            v = chunk * P + rank
+            if kind == "F":
+                if v > 0:
+                    out.append(Action("RECV_F", mb, chunk, prev))
+                out.append(Action("F", mb, chunk))
+                if v < last:
+                    out.append(Action("SEND_F", mb, chunk, nxt))
+            else:
+                if v < last:
+                    out.append(Action("RECV_B", mb, chunk, nxt))
+                out.append(Action("B", mb, chunk))
+                if v > 0:
+                    out.append(Action("SEND_B", mb, chunk, prev))
+        actions.append(out)
+    return actions
+
+
+# --- interleaved 1F1B ---------------------------------------------------------------------------
+
+def interleaved_microbatch_groups(num_microbatches: int, num_stages: int,
+                                  microbatch_group_size_per_vp_stage: int | None = None) -> list[range]:
+    """Split microbatches into the groups that the interleaved schedule runs chunk by chunk.
+
+    Groups have size G = microbatch_group_size_per_vp_stage (default P).  A remainder
+    M % G >= P runs as its own last group (as in Megatron).  A remainder < P cannot: in a
+    group smaller than P, rank 0 would need the last rank's chunk-c output before it has gone
+    round the ring (Megatron refuses such M).  We fold it into the FIRST group instead, the
+    only place a bigger group is safe: the warm-up is sized for the first group, and a later,
+    bigger group would put some chunk's backward before its forward.
+    """
+    M, P = num_microbatches, num_stages
+    G = P if microbatch_group_size_per_vp_stage is None else microbatch_group_size_per_vp_stage
+    q, s = divmod(M, G)
+    if s == 0:
+        sizes = [G] * q
+    elif s >= P:
+        sizes = [G] * q + [s]
+    else:
+        sizes = [G + s] + [G] * (q - 1)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def interleaved_schedule_table(groups: list[range], num_model_chunks: int) -> list[tuple[int, int]]:
+    """Order of (microbatch, chunk) forwards that every rank follows (Megatron's get_schedule_table).
+
+    Within a group, each chunk runs all of the group's microbatches before the next chunk
+    does.  Backwards use the same table with the chunk order reversed.  Example, groups
+    [0, 1], [2, 3], V = 2:  microbatch 0 1 0 1 2 3 2 3,  chunk 0 0 1 1 0 0 1 1.
+    """
+    return [(mb, chunk) for group in groups for chunk in range(num_model_chunks) for mb in group]
+
+
+def num_warmup_microbatches(name: str, rank: int, num_stages: int, num_microbatches: int,
+                            num_model_chunks: int = 1,
+                            microbatch_group_size_per_vp_stage: int | None = None) -> int:
+    """Forwards rank runs before its steady 1F1B phase (which then opens with one more forward)."""
+    P, M, V = num_stages, num_microbatches, num_model_chunks
+    if name == "no-pipelining":
+        return 0
+    if name == "gpipe":
+        return M
+    if name == "1f1b":
+        return min(P - rank - 1, M)
+    if name == "interleaved-1f1b":
+        first_group = len(interleaved_microbatch_groups(M, P, microbatch_group_size_per_vp_stage)[0])
+        # Megatron's rule: the first group through every chunk but the last, plus 2 per
+        # downstream rank (one step for the forward to reach it, one for the gradient to return).
+        return min((P - rank - 1) * 2 + (V - 1) * first_group, M * V)
+    raise ValueError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(SCHEDULE_NAMES)}")
+
+
+def _interleaved_actions(num_stages: int, num_microbatches: int, num_model_chunks: int,
+                         group_size: int | None) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B (forward_backward_pipelining_with_interleaving).
+
+    Each rank runs steps: warm-up forwards, then (forward, backward) pairs, then cooldown
+    backwards, in the table order.  After every step comes ONE comm batch, which sends what
+    was produced and pre-posts the receives for the next step (Megatron's
+    send_forward_backward_recv_forward_backward).  Each batch gets a global *level* such that
+    the two sides of every message sit at the same level: rank r+1 runs forward i one step
+    after rank r and backward k one step before it, hence "+ rank" / "- rank" below.  Levels
+    rise along every rank's list, so level by level every batch finds its peers: no deadlock.
+    A message is placed at the level where the receiver pre-posts it; that is also where it
+    is produced, except across the ring wrap (last rank -> rank 0) in groups bigger than P,
+    where the sender keeps the tensor until the receiver gets there.
+    """
+    P, M, V = num_stages, num_microbatches, num_model_chunks
+    groups = interleaved_microbatch_groups(M, P, group_size)
+    forwards = [Action("F", mb, chunk) for mb, chunk in interleaved_schedule_table(groups, V)]
+    backwards = [Action("B", f.microbatch, V - 1 - f.chunk) for f in forwards]  # last chunk first
+    total, last_stage = M * V, P * V - 1
+    # Levels count from rank 0's uncapped warm-up so that they line up across ranks even
+    # where a warm-up is capped at `total`.
+    base = 2 * (P - 1) + (V - 1) * len(groups[0])
+
+    # steps[rank] = list of (compute actions, level of the comm batch that follows them)
+    steps: list[list[tuple[list[Action], int]]] = []
+    for rank in range(P):
+        warmup = num_warmup_microbatches("interleaved-1f1b", rank, P, M, V, group_size)
+        rank_steps = [([], rank - 1 - base)]  # pre-posts the first forward's input
+        rank_steps += [([forwards[i]], i + rank - base) for i in range(warmup)]
+        if warmup == total and rank_steps[-1][1] < -1 - rank:
+            rank_steps.append(([], -1 - rank))  # every forward was warm-up: pre-post B[0]'s gradient
+        rank_steps += [([forwards[warmup + k], backwards[k]], k - rank) for k in range(total - warmup)]
+        rank_steps += [([backwards[k]], k - rank) for k in range(total - warmup, total)]
+        steps.append(rank_steps)
+
+    step_of = {(rank, a): i for rank in range(P) for i, (acts, _) in enumerate(steps[rank]) for a in acts}
+    batches: list[dict[int, list[Action]]] = [{level: [] for _, level in rank_steps} for rank_steps in steps]
+    for (rank, a), i in step_of.items():
+        v = a.chunk * P + rank
+        if a.kind == "F" and v < last_stage:
+            send_kind, recv_kind, other = "SEND_F", "RECV_F", v + 1
+        elif a.kind == "B" and v > 0:
+            send_kind, recv_kind, other = "SEND_B", "RECV_B", v - 1
+        else:
+            continue  # first/last virtual stage: nothing to pass on
+        dst, dst_chunk = other % P, other // P
+        level = steps[dst][step_of[(dst, Action(a.kind, a.microbatch, dst_chunk))] - 1][1]
+        if level < steps[rank][i][1] or level not in batches[rank]:
+            raise AssertionError(f"internal error: no level-{level} batch for {send_kind}{a.microbatch}"
+                                 f".{a.chunk} on rank {rank} (P={P}, M={M}, V={V})")
+        batches[rank][level].append(Action(send_kind, a.microbatch, a.chunk, dst))
+        batches[dst][level].append(Action(recv_kind, a.microbatch, dst_chunk, rank))
+
+    actions = []
+    for rank in range(P):
+        out = []
+        for acts, level in steps[rank]:
+            # Forward-direction ops first: with P == 2 both directions share one (src, dst)
+            # pair, and NCCL matches a pair's messages in the order they were issued.
+            out += acts + sorted(batches[rank][level], key=lambda a: (a.kind[-1] == "B", a.kind))
+        actions.append(out)
+    return actions
+
+
+def build_schedule(name: str, num_stages: int, num_microbatches: int, num_model_chunks: int = 1,
+                   **kw) -> Schedule:
+    """Build a schedule by name: 'no-pipelining', 'gpipe', '1f1b' or 'interleaved-1f1b'.
+
+    Keyword options: microbatch_group_size_per_vp_stage (interleaved only; default num_stages).
+    """
+    group_size = kw.pop("microbatch_group_size_per_vp_stage", None)
+    if kw:
+        raise TypeError(f"build_schedule got unexpected keyword arguments {sorted(kw)}; "
+                        f"the only option is microbatch_group_size_per_vp_stage")
+    _check_args(name, num_stages, num_microbatches, num_model_chunks, group_size)
+    P, M, V = num_stages, num_microbatches, num_model_chunks
+    if name == "no-pipelining":
+        orders = _no_pipelining_order(M)
+    elif name == "gpipe":
+        orders = _gpipe_order(P, M)
+    elif name == "1f1b":
+        orders = _1f1b_order(P, M)
+    else:
+        return Schedule(name, P, M, V, _interleaved_actions(P, M, V, group_size))
+    return Schedule(name, P, M, V, _add_comm(P, V, orders))

@@ -1,0 +1,315 @@
+"""Validate and time pipeline schedules without running any model.
+
+Execution model (the one the executor implements):
+- each rank runs its action list in order; compute actions (F, B) never block;
+- a maximal run of consecutive comm actions is one batch (one batch_isend_irecv); the rank
+  posts all of it and blocks until every op in it is matched;
+- a send and a receive match when both sides have posted them, i.e. the peer is blocked on
+  the batch that holds the matching op (rendezvous; conservative, like NCCL for big messages);
+- the k-th send from rank A to rank B matches the k-th receive at B from A.  NCCL has no
+  tags, so this FIFO is per (src, dst) across both directions; the pair must also agree on
+  direction, microbatch and virtual stage, or the wrong tensor would arrive silently.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from parallel3d.pipeline.schedules import Action, Schedule, ScheduleError
+
+Slot = tuple[int, int]  # (rank, index into that rank's action list)
+
+
+def _where(rank: int, index: int, action: Action) -> str:
+    return f"rank {rank} action #{index} {action}"
+
+
+@dataclass(frozen=True)
+class _Where:
+    rank: int
+    index: int
+    action: Action
+
+    def __str__(self) -> str:
+        return _where(self.rank, self.index, self.action)
+
+
+def _virtual_stage(schedule: Schedule, rank: int, chunk: int) -> int:
+    return chunk * schedule.num_stages + rank
+
+
+def _stage_location(schedule: Schedule, v: int) -> tuple[int, int]:
+    """(rank, local chunk) that holds virtual stage v."""
+    return v % schedule.num_stages, v // schedule.num_stages
+
+
+def _check_shape(schedule: Schedule) -> None:
+    P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_model_chunks
+    if len(schedule.actions) != P:
+        raise ScheduleError(f"schedule has action lists for {len(schedule.actions)} ranks, "
+                            f"expected num_stages={P}")
+    for rank, actions in enumerate(schedule.actions):
+        for i, a in enumerate(actions):
+            if not 0 <= a.microbatch < M:
+                raise ScheduleError(f"{_where(rank, i, a)}: microbatch {a.microbatch} is outside 0..{M - 1}")
+            if not 0 <= a.chunk < V:
+                raise ScheduleError(f"{_where(rank, i, a)}: chunk {a.chunk} is outside 0..{V - 1}")
+            if a.is_comm and not 0 <= a.peer < P:
+                raise ScheduleError(f"{_where(rank, i, a)}: peer {a.peer} is outside 0..{P - 1}")
+
+
+def _check_rank_order(schedule: Schedule, rank: int) -> None:
+    """Each (microbatch, chunk) forwarded then backwarded exactly once, inputs present, peers right."""
+    P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_model_chunks
+    last = P * V - 1
+    done: dict[str, set[tuple[int, int]]] = {"F": set(), "B": set()}
+    received: dict[str, set[tuple[int, int]]] = {"RECV_F": set(), "RECV_B": set()}
+    consumed: dict[str, set[tuple[int, int]]] = {"RECV_F": set(), "RECV_B": set()}
+    sent: dict[str, set[tuple[int, int]]] = {"SEND_F": set(), "SEND_B": set()}
+
+    for i, a in enumerate(schedule.actions[rank]):
+        key, v = (a.microbatch, a.chunk), _virtual_stage(schedule, rank, a.chunk)
+        here = _Where(rank, i, a)  # formatted only if an error is raised
+        if a.kind == "F":
+            if key in done["F"]:
+                raise ScheduleError(f"{here}: forward of microbatch {a.microbatch} chunk {a.chunk} runs twice")
+            if v > 0:
+                src_rank, src_chunk = _stage_location(schedule, v - 1)
+                if src_rank == rank and (a.microbatch, src_chunk) not in done["F"]:
+                    raise ScheduleError(f"{here}: needs F{a.microbatch}.{src_chunk} earlier on this rank")
+                if src_rank != rank:
+                    if key not in received["RECV_F"] or key in consumed["RECV_F"]:
+                        raise ScheduleError(f"{here}: needs the output of virtual stage {v - 1} "
+                                            f"(rank {src_rank}), but no RECV_F{a.microbatch}.{a.chunk} "
+                                            f"precedes it")
+                    consumed["RECV_F"].add(key)
+            done["F"].add(key)
+        elif a.kind == "B":
+            if key in done["B"]:
+                raise ScheduleError(f"{here}: backward of microbatch {a.microbatch} chunk {a.chunk} runs twice")
+            if key not in done["F"]:
+                raise ScheduleError(f"{here}: backward before its forward F{a.microbatch}.{a.chunk}")
+            if v < last:
+                dst_rank, dst_chunk = _stage_location(schedule, v + 1)
+                if dst_rank == rank and (a.microbatch, dst_chunk) not in done["B"]:
+                    raise ScheduleError(f"{here}: needs B{a.microbatch}.{dst_chunk} earlier on this rank")
+                if dst_rank != rank:
+                    if key not in received["RECV_B"] or key in consumed["RECV_B"]:
+                        raise ScheduleError(f"{here}: needs the output gradient of virtual stage {v + 1} "
+                                            f"(rank {dst_rank}), but no RECV_B{a.microbatch}.{a.chunk} "
+                                            f"precedes it")
+                    consumed["RECV_B"].add(key)
+            done["B"].add(key)
+        else:
+            forward = a.kind.endswith("_F")
+            # The other side of this message: the next virtual stage for forward sends and
+            # backward receives, the previous one otherwise.
+            toward_next = forward == a.kind.startswith("SEND")
+            other_v = v + 1 if toward_next else v - 1
+            if not 0 <= other_v <= last:
+                raise ScheduleError(f"{here}: virtual stage {v} has no {'next' if toward_next else 'previous'} "
+                                    f"stage to talk to")
+            other_rank = _stage_location(schedule, other_v)[0]
+            if other_rank == rank:
+                raise ScheduleError(f"{here}: virtual stage {other_v} is on this same rank; no message needed")
+            if a.peer != other_rank:
+                raise ScheduleError(f"{here}: peer is rank {a.peer}, but virtual stage {other_v} lives "
+                                    f"on rank {other_rank}")
+            if a.kind.startswith("SEND"):
+                producer = "F" if forward else "B"
+                if key not in done[producer]:
+                    raise ScheduleError(f"{here}: sends before {producer}{a.microbatch}.{a.chunk} has run")
+                if key in sent[a.kind]:
+                    raise ScheduleError(f"{here}: sent twice")
+                sent[a.kind].add(key)
+            else:
+                if key in received[a.kind]:
+                    raise ScheduleError(f"{here}: received twice")
+                received[a.kind].add(key)
+
+    for kind in ("F", "B"):
+        missing = sorted({(mb, c) for mb in range(M) for c in range(V)} - done[kind])
+        if missing:
+            mb, c = missing[0]
+            raise ScheduleError(f"rank {rank} never runs {kind}{mb}.{c} "
+                                f"({len(missing)} {kind} steps missing in all)")
+    for kind in ("RECV_F", "RECV_B"):
+        unused = sorted(received[kind] - consumed[kind])
+        if unused:
+            mb, c = unused[0]
+            raise ScheduleError(f"rank {rank}: {kind}{mb}.{c} is received but no compute uses it")
+
+
+def _match_messages(schedule: Schedule) -> dict[Slot, Slot]:
+    """Pair every send with its receive (FIFO per (src, dst)) and check they carry the same thing."""
+    sends: dict[tuple[int, int], list[int]] = {}
+    recvs: dict[tuple[int, int], list[int]] = {}
+    for rank, actions in enumerate(schedule.actions):
+        for i, a in enumerate(actions):
+            if a.kind.startswith("SEND"):
+                sends.setdefault((rank, a.peer), []).append(i)
+            elif a.kind.startswith("RECV"):
+                recvs.setdefault((a.peer, rank), []).append(i)
+
+    partner: dict[Slot, Slot] = {}
+    for src, dst in sorted(set(sends) | set(recvs)):
+        s_list, r_list = sends.get((src, dst), []), recvs.get((src, dst), [])
+        for k, (si, ri) in enumerate(zip(s_list, r_list)):
+            s, r = schedule.actions[src][si], schedule.actions[dst][ri]
+            s_v, r_v = _virtual_stage(schedule, src, s.chunk), _virtual_stage(schedule, dst, r.chunk)
+            step = 1 if s.kind == "SEND_F" else -1
+            if s.kind[-1] != r.kind[-1] or s.microbatch != r.microbatch or s_v + step != r_v:
+                raise ScheduleError(
+                    f"{_where(src, si, s)} (message #{k} from rank {src} to rank {dst}, microbatch "
+                    f"{s.microbatch} from virtual stage {s_v}) is matched by {_where(dst, ri, r)} "
+                    f"(expects microbatch {r.microbatch} {'from' if r.kind == 'RECV_F' else 'for'} "
+                    f"virtual stage {r_v}): the wrong tensor would arrive")
+            partner[(src, si)] = (dst, ri)
+            partner[(dst, ri)] = (src, si)
+        if len(s_list) > len(r_list):
+            si = s_list[len(r_list)]
+            raise ScheduleError(f"{_where(src, si, schedule.actions[src][si])}: no matching receive on rank "
+                                f"{dst} ({len(s_list)} sends from rank {src} to {dst}, {len(r_list)} receives)")
+        if len(r_list) > len(s_list):
+            ri = r_list[len(s_list)]
+            raise ScheduleError(f"{_where(dst, ri, schedule.actions[dst][ri])}: no matching send on rank "
+                                f"{src} ({len(s_list)} sends from rank {src} to {dst}, {len(r_list)} receives)")
+    return partner
+
+
+def _batch_ends(actions: list[Action]) -> list[int]:
+    """ends[i] = index one past the comm batch that starts at i (only meaningful at batch starts)."""
+    ends = [0] * len(actions)
+    end = len(actions)
+    for i in range(len(actions) - 1, -1, -1):
+        if not actions[i].is_comm:
+            end = i
+        ends[i] = end if actions[i].is_comm else i + 1
+    return ends
+
+
+def _run(schedule: Schedule, partner: dict[Slot, Slot], duration: Callable[[int, Action], float],
+         comm_time: float) -> tuple[list[list[tuple[float, float, Action]]], list[float]]:
+    """Execute the schedule under the rendezvous model; raise ScheduleError on deadlock.
+
+    Returns per-rank compute timelines and each rank's finish time.  The result does not
+    depend on the order ranks are visited in: posting never un-happens, so progress is monotone.
+    """
+    P = schedule.num_stages
+    acts = schedule.actions
+    ends = [_batch_ends(a) for a in acts]
+    pc, clock = [0] * P, [0.0] * P
+    posted: dict[Slot, float] = {}  # comm op -> time its rank reached its batch
+    timelines: list[list[tuple[float, float, Action]]] = [[] for _ in range(P)]
+
+    progress = True
+    while progress:
+        progress = False
+        for r in range(P):
+            while pc[r] < len(acts[r]):
+                a = acts[r][pc[r]]
+                if not a.is_comm:
+                    d = duration(r, a)
+                    timelines[r].append((clock[r], clock[r] + d, a))
+                    clock[r] += d
+                    pc[r] += 1
+                    progress = True
+                    continue
+                batch = range(pc[r], ends[r][pc[r]])
+                for i in batch:
+                    posted.setdefault((r, i), clock[r])
+                if any(partner[(r, i)] not in posted for i in batch):
+                    break  # blocked until the peers post their side
+                clock[r] = max([clock[r]] + [max(posted[(r, i)], posted[partner[(r, i)]]) + comm_time
+                                             for i in batch])
+                pc[r] = batch.stop
+                progress = True
+
+    if any(pc[r] < len(acts[r]) for r in range(P)):
+        raise ScheduleError(_deadlock_report(schedule, partner, pc, ends, posted))
+    return timelines, clock
+
+
+def _deadlock_report(schedule: Schedule, partner: dict[Slot, Slot], pc: list[int],
+                     ends: list[list[int]], posted: dict[Slot, float]) -> str:
+    lines = [f"{schedule.name} deadlocks: every unfinished rank is blocked in a comm batch"]
+    for r in range(schedule.num_stages):
+        if pc[r] >= len(schedule.actions[r]):
+            continue
+        for i in range(pc[r], ends[r][pc[r]]):
+            pr, pi = partner[(r, i)]
+            if (pr, pi) in posted:
+                continue
+            peer_at = pc[pr]
+            peer_state = ("finished" if peer_at >= len(schedule.actions[pr]) else
+                          f"blocked at #{peer_at} {schedule.actions[pr][peer_at]}")
+            lines.append(f"  {_where(r, i, schedule.actions[r][i])} waits for rank {pr} #{pi} "
+                         f"{schedule.actions[pr][pi]}, but rank {pr} is {peer_state}")
+            break
+    return "\n".join(lines)
+
+
+def _check_and_match(schedule: Schedule) -> dict[Slot, Slot]:
+    _check_shape(schedule)
+    for rank in range(schedule.num_stages):
+        _check_rank_order(schedule, rank)
+    return _match_messages(schedule)
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError unless the schedule is complete, correctly matched and deadlock-free."""
+    partner = _check_and_match(schedule)
+    _run(schedule, partner, lambda rank, action: 1.0, 0.0)
+
+
+@dataclass
+class SimResult:
+    timelines: list[list[tuple[float, float, Action]]]  # per rank: (start, end, compute action)
+    makespan: float
+    busy_time: list[float]  # per rank
+    bubble_overhead: float  # total idle / total busy, idle = makespan - busy per rank
+    peak_inflight: list[int]  # per rank: most (microbatch, chunk) forwards awaiting their backward
+
+
+StageCosts = Mapping[tuple[int, int], tuple[float, float]] | Sequence[Sequence[tuple[float, float]]]
+
+
+def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0,
+             comm_time: float = 0.0, stage_costs: StageCosts | None = None) -> SimResult:
+    """Time a schedule: costs are per model chunk; comm batches finish when matched + comm_time.
+
+    stage_costs gives (forward, backward) time per (rank, chunk), either as a mapping
+    {(rank, chunk): (f, b)} (missing entries use forward_time/backward_time) or as a nested
+    sequence stage_costs[rank][chunk].  Validates the schedule first.
+    """
+    if min(forward_time, backward_time, comm_time) < 0:
+        raise ValueError(f"times must be >= 0, got forward_time={forward_time}, "
+                         f"backward_time={backward_time}, comm_time={comm_time}")
+    P, V = schedule.num_stages, schedule.num_model_chunks
+    costs = {(r, c): (forward_time, backward_time) for r in range(P) for c in range(V)}
+    if isinstance(stage_costs, Mapping):
+        costs.update(stage_costs)
+    elif stage_costs is not None:
+        if len(stage_costs) != P or any(len(row) != V for row in stage_costs):
+            raise ValueError(f"stage_costs must be {P} ranks x {V} chunks of (forward, backward)")
+        costs = {(r, c): tuple(stage_costs[r][c]) for r in range(P) for c in range(V)}
+    if any(len(fb) != 2 or min(fb) < 0 for fb in costs.values()):
+        raise ValueError(f"stage_costs entries must be (forward, backward) pairs of times >= 0, got {costs}")
+
+    partner = _check_and_match(schedule)
+    timelines, _ = _run(schedule, partner,
+                        lambda rank, a: costs[(rank, a.chunk)][0 if a.kind == "F" else 1], comm_time)
+
+    makespan = max((tl[-1][1] for tl in timelines if tl), default=0.0)
+    busy = [sum(end - start for start, end, _ in tl) for tl in timelines]
+    total_busy = sum(busy)
+    idle = sum(makespan - b for b in busy)
+    peak = []
+    for tl in timelines:
+        inflight = most = 0
+        for _, _, a in tl:
+            inflight += 1 if a.kind == "F" else -1
+            most = max(most, inflight)
+        peak.append(most)
+    return SimResult(timelines=timelines, makespan=makespan, busy_time=busy,
+                     bubble_overhead=idle / total_busy if total_busy > 0 else 0.0, peak_inflight=peak)
