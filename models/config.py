@@ -1,0 +1,328 @@
+"""TransformerConfig: every setting of the GPT model in one dataclass, checked in one place.
+
+Field names follow Megatron-Core's ``TransformerConfig`` (and Megatron-LM's
+arguments where Core has none), so porting a Megatron script is mechanical.
+``__post_init__`` fills the derived defaults (as Megatron does: ffn_hidden_size,
+kv_channels, num_query_groups, max_position_embeddings, params_dtype) and
+rejects inconsistent settings with an error that names the numbers, before any
+parameter is allocated.
+
+Presets: ``gpt2_config(size)`` (LayerNorm, gelu-tanh MLP, learned positions,
+biases, tied embeddings: HF GPT-2) and ``llama_config(size)`` (RMSNorm, SwiGLU,
+RoPE, no biases, untied embeddings, GQA where the model has it); "tiny" is
+sized for CPU tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from parallel3d.tensor_parallel import vocab_size_with_padding
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+# "gelu": exact (erf) GeLU, torch/Megatron default; "gelu_tanh": the tanh approximation,
+# HF GPT-2's ``gelu_new``; "silu": with gated_linear_unit this is SwiGLU (LLaMA).
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+# "sdpa": torch scaled_dot_product_attention (flash / cuDNN / memory-efficient on GPU);
+# "local": Megatron's DotProductAttention (explicit scores, masked softmax, dropout, bmm).
+ATTENTION_BACKENDS = ("sdpa", "local")
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+# LLaMA rounds its SwiGLU width up to a multiple of this (``multiple_of`` in Meta's code).
+_LLAMA_FFN_MULTIPLE_OF = 256
+
+
+def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = _LLAMA_FFN_MULTIPLE_OF) -> int:
+    """LLaMA's SwiGLU width: 2/3 of 4h (same FLOPs as a 4h GeLU MLP), rounded up to ``multiple_of``."""
+    width = int(2 * 4 * hidden_size / 3)
+    return multiple_of * ((width + multiple_of - 1) // multiple_of)
+
+
+@dataclass
+class TransformerConfig:
+    # --- architecture ---------------------------------------------------------------------------
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int  # the real vocabulary; padded for the embedding (see padded_vocab_size)
+    seq_length: int
+    ffn_hidden_size: Optional[int] = None  # None: 4h, or LLaMA's rule with gated_linear_unit
+    num_query_groups: Optional[int] = None  # GQA: key/value heads; None = num_attention_heads (MHA)
+    kv_channels: Optional[int] = None  # per-head width; None = hidden_size // num_attention_heads
+    max_position_embeddings: Optional[int] = None  # None = seq_length
+    make_vocab_size_divisible_by: int = 128
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    normalization: str = "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+    gated_linear_unit: bool = False  # with activation="silu": SwiGLU, linear_fc1 = [gate; up]
+    activation: str = "gelu"
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # a QKV bias even when add_bias_linear is False (Qwen-style)
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    # Seed of the parameter initialisation. Each layer (and the embedding, final norm and
+    # output layer) draws from its own sub-seed, so parameters do not depend on TP/PP/VP.
+    seed: int = 1234
+    apply_residual_connection_post_layernorm: bool = False
+
+    # --- parallelism ----------------------------------------------------------------------------
+    tensor_model_parallel_size: int = 1
+    # With TP=1 sequence parallelism means nothing: like Megatron, it is switched off with a warning.
+    sequence_parallel: bool = False
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    # Uneven pipeline split (Megatron's): the first/last stage hold this many layers and the
+    # others share the rest evenly. Needed when num_layers is not divisible by PP x VP.
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+
+    # --- activation recomputation ---------------------------------------------------------------
+    recompute_granularity: Optional[str] = None  # None | "full" (whole layers) | "selective" (attention core)
+    recompute_method: str = "uniform"  # full: "uniform" = groups of recompute_num_layers layers,
+    recompute_num_layers: int = 1  # "block" = only the first recompute_num_layers layers of each chunk
+
+    # --- precision ------------------------------------------------------------------------------
+    params_dtype: Union[torch.dtype, str, None] = None  # None: bf16/fp16 flags decide, else fp32
+    bf16: bool = False
+    fp16: bool = False
+    attention_softmax_in_fp32: bool = True  # "local" attention: softmax statistics in fp32
+
+    # --- kernels: each flag off = the plain PyTorch composition ---------------------------------
+    attention_backend: str = "sdpa"
+    gradient_accumulation_fusion: bool = False  # wgrad GEMM into param.main_grad (needs the DDP buffers)
+    bias_activation_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    masked_softmax_fusion: bool = True  # "local" attention only
+    apply_rope_fusion: bool = True
+    normalization_fusion: bool = True  # LayerNorm / RMSNorm through parallel3d.fused
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
+                     "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+                     "pipeline_model_parallel_size", "recompute_num_layers"):
+            positive(name)
+        for name, allowed in (("position_embedding_type", POSITION_EMBEDDING_TYPES),
+                              ("normalization", NORMALIZATIONS), ("activation", ACTIVATIONS),
+                              ("recompute_granularity", RECOMPUTE_GRANULARITIES),
+                              ("recompute_method", RECOMPUTE_METHODS),
+                              ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {p}")
+        if self.layernorm_epsilon <= 0:
+            raise ValueError(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
+
+        # Derived defaults (Megatron fills these the same way).
+        h, heads = self.hidden_size, self.num_attention_heads
+        if self.kv_channels is None:
+            if h % heads != 0:
+                raise ValueError(
+                    f"hidden_size ({h}) is not divisible by num_attention_heads ({heads}); "
+                    "set kv_channels explicitly for a per-head width that does not divide the hidden size"
+                )
+            self.kv_channels = h // heads
+        positive("kv_channels")
+        if self.num_query_groups is None:
+            self.num_query_groups = heads
+        positive("num_query_groups")
+        if heads % self.num_query_groups != 0:
+            raise ValueError(
+                f"num_attention_heads ({heads}) is not divisible by num_query_groups ({self.num_query_groups}): "
+                "each key/value head must serve the same number of query heads"
+            )
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = llama_ffn_hidden_size(h) if self.gated_linear_unit else 4 * h
+        positive("ffn_hidden_size")
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        positive("max_position_embeddings")
+        if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
+            raise ValueError(
+                f"seq_length ({self.seq_length}) exceeds max_position_embeddings ({self.max_position_embeddings}) "
+                "of the learned position embedding"
+            )
+        if self.position_embedding_type == "rope":
+            if not 0.0 < self.rotary_percent <= 1.0:
+                raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+            rot = self.rotary_dim
+            if rot < 2 or rot % 2 != 0:
+                raise ValueError(
+                    f"the rotary dimension kv_channels ({self.kv_channels}) x rotary_percent ({self.rotary_percent}) "
+                    f"= {rot} must be an even number >= 2"
+                )
+
+        self._check_precision()
+        self._check_tensor_parallel()
+        self._check_pipeline_split()
+
+    # --- checks ---------------------------------------------------------------------------------
+    def _check_precision(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16 and fp16 are both set; choose one")
+        wanted = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else None
+        dtype = self.params_dtype
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ValueError(f"params_dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
+            dtype = _DTYPES[dtype]
+        if dtype is None:
+            dtype = wanted or torch.float32
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"params_dtype must be float32, bfloat16 or float16, got {dtype}")
+        if wanted is not None and dtype != wanted:
+            raise ValueError(
+                f"params_dtype={dtype} contradicts {'bf16' if self.bf16 else 'fp16'}=True (which means {wanted})"
+            )
+        self.params_dtype = dtype
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_model_parallel_size
+        heads, groups = self.num_attention_heads, self.num_query_groups
+        if heads % tp != 0:
+            raise ValueError(
+                f"num_attention_heads ({heads}) is not divisible by tensor_model_parallel_size ({tp}): "
+                "attention heads are split across TP ranks"
+            )
+        if groups % tp != 0:
+            raise ValueError(
+                f"num_query_groups ({groups}) is not divisible by tensor_model_parallel_size ({tp}): "
+                "key/value heads are split across TP ranks (use a TP size that divides the KV heads)"
+            )
+        if self.ffn_hidden_size % tp != 0:
+            raise ValueError(f"ffn_hidden_size ({self.ffn_hidden_size}) is not divisible by "
+                             f"tensor_model_parallel_size ({tp})")
+        if self.sequence_parallel and tp == 1:
+            warnings.warn("sequence_parallel=True has no effect with tensor_model_parallel_size=1: turned off "
+                          "(as Megatron does)", stacklevel=3)
+            self.sequence_parallel = False
+        if self.sequence_parallel and self.seq_length % tp != 0:
+            raise ValueError(
+                f"sequence_parallel needs seq_length ({self.seq_length}) divisible by "
+                f"tensor_model_parallel_size ({tp}): each TP rank holds seq_length / TP positions"
+            )
+
+    def _check_pipeline_split(self) -> None:
+        pp, vp, layers = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size, self.num_layers
+        first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
+        if vp is not None:
+            if pp == 1:
+                raise ValueError(f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size > 1")
+            if not isinstance(vp, int) or vp < 1:
+                raise ValueError(f"virtual_pipeline_model_parallel_size must be a positive integer, got {vp!r}")
+        chunks = vp or 1
+        if first is None and last is None:
+            if layers % (pp * chunks) != 0:
+                raise ValueError(
+                    f"num_layers ({layers}) is not divisible by pipeline_model_parallel_size ({pp}) x "
+                    f"virtual_pipeline_model_parallel_size ({chunks}) = {pp * chunks}; set "
+                    "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage for an uneven split"
+                )
+            return
+        if pp == 1:
+            raise ValueError("num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1")
+        for name, n in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
+            if n is None:
+                continue
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive integer, got {n!r}")
+            if n % chunks != 0:
+                raise ValueError(f"{name} ({n}) is not divisible by virtual_pipeline_model_parallel_size ({chunks})")
+        middle_stages = pp - (first is not None) - (last is not None)
+        middle_layers = layers - (first or 0) - (last or 0)
+        if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
+            raise ValueError(
+                f"num_layers ({layers}) does not match num_layers_in_first_pipeline_stage ({first}) + "
+                f"num_layers_in_last_pipeline_stage ({last}) with {middle_stages} other stage(s)"
+            )
+        if middle_stages > 0 and middle_layers % (middle_stages * chunks) != 0:
+            raise ValueError(
+                f"the {middle_layers} layers left for the {middle_stages} middle pipeline stage(s) are not divisible "
+                f"by {middle_stages} x virtual_pipeline_model_parallel_size ({chunks}) = {middle_stages * chunks}"
+            )
+
+    # --- derived quantities ---------------------------------------------------------------------
+    @property
+    def padded_vocab_size(self) -> int:
+        """The vocabulary the embedding and output layer hold (Megatron's padding, x TP)."""
+        return vocab_size_with_padding(self.vocab_size, self.make_vocab_size_divisible_by,
+                                       self.tensor_model_parallel_size)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.kv_channels * self.rotary_percent)
+
+    @property
+    def swiglu(self) -> bool:
+        return self.gated_linear_unit and self.activation == "silu"
+
+
+# --- presets ----------------------------------------------------------------------------------
+
+_GPT2_FAMILY = dict(
+    position_embedding_type="learned_absolute", normalization="LayerNorm", layernorm_epsilon=1e-5,
+    activation="gelu_tanh", gated_linear_unit=False, add_bias_linear=True,
+    untie_embeddings_and_output_weights=False, hidden_dropout=0.1, attention_dropout=0.1,
+)
+_GPT2_SIZES = {
+    "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000),
+    "124m": dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024, vocab_size=50257),
+    "350m": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=1024, vocab_size=50257),
+    "1.3b": dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=50257),
+}
+_LLAMA_FAMILY = dict(
+    position_embedding_type="rope", normalization="RMSNorm", layernorm_epsilon=1e-5,
+    activation="silu", gated_linear_unit=True, add_bias_linear=False,
+    untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
+)
+_LLAMA_SIZES = {
+    "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=32,
+                 vocab_size=1000),
+    # Llama-3.2-1B shape (the shared Megatron benchmark's "llama-1b" preset: untied embeddings)
+    "1b": dict(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=8192,
+               seq_length=2048, vocab_size=128256, rotary_base=500000.0),
+    # Llama-2-7B
+    "7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008, seq_length=4096,
+               vocab_size=32000),
+}
+
+
+def _preset(family: str, sizes: dict, base: dict, size: str, overrides: dict[str, Any]) -> TransformerConfig:
+    if size not in sizes:
+        raise ValueError(f"unknown {family} size {size!r}; valid sizes: {', '.join(sizes)}")
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"{family}_config: unknown TransformerConfig field(s) {unknown}")
+    return TransformerConfig(**{**base, **sizes[size], **overrides})
+
+
+def gpt2_config(size: str = "124m", **overrides: Any) -> TransformerConfig:
+    """GPT-2 family (HF GPT-2 conventions); ``size`` in tiny / 124m / 350m / 1.3b."""
+    return _preset("gpt2", _GPT2_SIZES, _GPT2_FAMILY, size, overrides)
+
+
+def llama_config(size: str = "7b", **overrides: Any) -> TransformerConfig:
+    """LLaMA family (HF LLaMA conventions); ``size`` in tiny / 1b / 7b."""
+    return _preset("llama", _LLAMA_SIZES, _LLAMA_FAMILY, size, overrides)

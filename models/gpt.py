@@ -1,0 +1,680 @@
+"""GPT (GPT-2 and LLaMA families) built from parallel3d's tensor-parallel layers.
+
+Megatron-Core's GPTModel with its local layer spec, written out in one file:
+
+    GPTModel
+      embedding: LanguageModelEmbedding        (pre_process: first virtual pipeline stage)
+        word_embeddings: VocabParallelEmbedding
+        position_embeddings: nn.Embedding      (learned_absolute only)
+      rotary_pos_emb: RotaryEmbedding          (rope only; no parameters)
+      decoder: TransformerBlock
+        layers.{i}: TransformerLayer            (i = local index; layer.layer_number = global, 1-based)
+          input_layernorm -> self_attention (linear_qkv -> core_attention -> linear_proj) -> bias-dropout-add
+          pre_mlp_layernorm -> mlp (linear_fc1 -> activation -> linear_fc2) -> bias-dropout-add
+        final_layernorm                          (post_process)
+      output_layer: ColumnParallelLinear         (post_process; fed the embedding weight when tied)
+
+Parameter names are Megatron-Core's, so checkpoint converters map them one to one.
+Layouts inside the parameters (also Megatron's):
+- ``linear_qkv``: rows grouped per query group, each group [its q heads, k, v] (hn rows per
+  head); TP ranks hold whole groups, so a plain (stride-1) split along dim 0.
+- ``linear_fc1`` with a gated unit: [gate; up]; each TP rank holds [gate_r; up_r]
+  (``partition_stride=2``).
+- embedding / output layer: the vocabulary padded to ``config.padded_vocab_size``; padding rows
+  are zero and excluded from the loss.
+
+Activations are [s, b, h] (a sequence shard [s/tp, b, h] under sequence parallelism).
+
+Initialisation is layout-independent: every layer draws its parameters from its own
+sub-seed (config.seed, global layer index), the embedding, final norm and output layer from
+fixed sub-seeds, and each TP layer initialises the full weight and keeps its slice. So a
+pipeline stage that holds only layers 4..7 builds exactly the full model's layers 4..7, and
+a tied output layer on the last stage starts equal to the first stage's embedding.
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parallel3d import tensor_parallel
+from parallel3d.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_from_tensor_model_parallel_region,
+    get_cuda_rng_tracker,
+    init_method_normal,
+    scaled_init_method_normal,
+    scatter_to_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+from parallel3d.tensor_parallel.layers import InitMethod, _default_device
+from parallel3d.tensor_parallel.utils import group_rank_and_size, resolve_tp_group
+
+from .config import TransformerConfig
+
+# torch >= 2.5 lets SDPA share key/value heads across query heads without copying them.
+_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+# --- fused-op wrappers --------------------------------------------------------------------------
+# The model calls the public names (bias_gelu, ...) where the matching config flag is on and the
+# _plain_* versions where it is off. parallel3d.fused (the CUDA kernels with PyTorch fallbacks)
+# did not exist when this file was written, so each public name is bound to its plain version
+# below; switching to the kernels = binding these names to parallel3d.fused's.
+
+def _plain_bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """GeLU (tanh approximation, as Megatron's fused kernel and HF GPT-2's gelu_new) of x + bias."""
+    return F.gelu(x if bias is None else x + bias, approximate="tanh")
+
+
+def _plain_bias_swiglu(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """SwiGLU of x + bias, whose last dim is [gate; up]: silu(gate) * up."""
+    gate, up = torch.chunk(x if bias is None else x + bias, 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _plain_bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
+                            prob: float, training: bool) -> torch.Tensor:
+    """residual + dropout(x + bias)."""
+    out = x if bias is None else x + bias
+    return residual + F.dropout(out, p=prob, training=training)
+
+
+def _plain_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim with fp32 statistics, output in x's dtype."""
+    out = F.layer_norm(x.float(), (x.size(-1),), weight.float(), bias.float(), eps)
+    return out.to(x.dtype)
+
+
+def _plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim with fp32 statistics, output in x's dtype."""
+    x32 = x.float()
+    out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * weight.float()).to(x.dtype)
+
+
+def _plain_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """RoPE on t [s, b, n, d] with freqs [s, b or 1, 1, rot] (Megatron's / HF LLaMA's rotate-half).
+
+    Only the first ``rot`` channels of each head rotate (rotary_percent < 1 leaves the rest).
+    """
+    rot = freqs.size(-1)
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    x1, x2 = torch.chunk(t_rot, 2, dim=-1)
+    out = t_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if t_pass.size(-1) == 0 else torch.cat((out, t_pass), dim=-1)
+
+
+def _plain_scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax(scale * x) over the last dim of x [batches, sq, sk], in x's dtype."""
+    sq, sk = x.shape[-2:]
+    future = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(1)
+    return torch.softmax((x * scale).masked_fill(future, float("-inf")), dim=-1)
+
+
+bias_gelu = _plain_bias_gelu
+bias_swiglu = _plain_bias_swiglu
+bias_dropout_add = _plain_bias_dropout_add
+layer_norm = _plain_layer_norm
+rms_norm = _plain_rms_norm
+apply_rotary_pos_emb = _plain_apply_rotary_pos_emb
+scaled_upper_triang_masked_softmax = _plain_scaled_upper_triang_masked_softmax
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _init_rng(seed: int, part: str):
+    """Draw initial values for ``part`` from their own CPU sub-seed; restore the caller's RNG after.
+
+    Only the CPU generator is touched (all masters are initialised on the CPU), so the
+    accelerator's dropout streams are left alone.
+    """
+    state = torch.get_rng_state()
+    torch.default_generator.manual_seed(zlib.crc32(f"{seed}/{part}".encode()))
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
+
+
+def _vocab_init(init_method: InitMethod, vocab_size: int) -> InitMethod:
+    """Initialise the real vocabulary rows, zero the padding (as VocabParallelEmbedding does)."""
+
+    def init_(weight: torch.Tensor) -> None:
+        weight.zero_()
+        init_method(weight[:vocab_size])
+
+    return init_
+
+
+def _dropout_rng(sequence_parallel: bool, active: bool):
+    """Dropout on a TP-split or sequence-sharded tensor runs on the per-rank tracked stream."""
+    return get_cuda_rng_tracker().fork() if (sequence_parallel and active) else contextlib.nullcontext()
+
+
+def _mark_sequence_parallel(module: nn.Module, sequence_parallel: bool) -> None:
+    for p in module.parameters():
+        p.sequence_parallel = sequence_parallel
+
+
+class Norm(nn.Module):
+    """LayerNorm (weight, bias) or RMSNorm (weight) over the hidden dim, statistics in fp32."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int):
+        super().__init__()
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = config.layernorm_epsilon
+        self.fused = config.normalization_fusion
+        device, dtype = _default_device(), config.params_dtype
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        if self.rms:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+        # Under SP a norm sees a sequence shard: its gradient must be summed over TP.
+        _mark_sequence_parallel(self, config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return (rms_norm if self.fused else _plain_rms_norm)(x, self.weight, self.eps)
+        return (layer_norm if self.fused else _plain_layer_norm)(x, self.weight, self.bias, self.eps)
+
+
+# --- embedding ----------------------------------------------------------------------------------
+
+class LanguageModelEmbedding(nn.Module):
+    """Word (+ learned position) embeddings -> [s, b, h] (a sequence shard under SP) -> dropout."""
+
+    def __init__(self, config: TransformerConfig, tp_group: Optional[dist.ProcessGroup]):
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        self.learned_positions = config.position_embedding_type == "learned_absolute"
+        init = init_method_normal(config.init_method_std)
+        # Without position embeddings the vocab-parallel sum can be a reduce-scatter straight into
+        # sequence shards (Megatron's reduce_scatter_embeddings); with them, positions are added first.
+        self.reduce_scatter_embeddings = config.sequence_parallel and not self.learned_positions
+        with _init_rng(config.seed, "embedding.word_embeddings"):
+            self.word_embeddings = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, init_method=init,
+                make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
+                reduce_scatter_embeddings=self.reduce_scatter_embeddings,
+                params_dtype=config.params_dtype, tp_group=tp_group,
+            )
+        if self.learned_positions:
+            with _init_rng(config.seed, "embedding.position_embeddings"):
+                master = torch.empty(config.max_position_embeddings, config.hidden_size, dtype=torch.float32)
+                init(master)
+            self.position_embeddings = nn.utils.skip_init(
+                nn.Embedding, config.max_position_embeddings, config.hidden_size,
+                device=_default_device(), dtype=config.params_dtype,
+            )
+            with torch.no_grad():
+                self.position_embeddings.weight.copy_(master)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        emb = self.word_embeddings(input_ids)  # [b, s, h], or [s/tp, b, h] when reduce-scattered
+        if self.learned_positions:
+            emb = emb + self.position_embeddings(position_ids)
+        if not self.reduce_scatter_embeddings:
+            emb = emb.transpose(0, 1).contiguous()
+            if cfg.sequence_parallel:
+                emb = scatter_to_sequence_parallel_region(emb, self.tp_group)
+        active = self.training and cfg.hidden_dropout > 0
+        with _dropout_rng(cfg.sequence_parallel, active):
+            return F.dropout(emb, p=cfg.hidden_dropout, training=self.training)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE angles [s, b or 1, 1, rot] for the given positions (Megatron's freqs, HF's inv_freq).
+
+    No parameters and no buffer: the inverse frequencies are recomputed in fp32 on each call
+    (rot/2 numbers), so a cast of the model to bf16 cannot degrade them.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.dim = config.rotary_dim
+        self.base = config.rotary_base
+
+    def forward(self, position_ids: Optional[torch.Tensor], seq_len: int, device: torch.device) -> torch.Tensor:
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim))
+        if position_ids is None:
+            pos = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None]  # [s, 1]
+        else:
+            pos = position_ids.t().to(device=device, dtype=torch.float32)  # [s, b]
+        freqs = pos[..., None] * inv_freq  # [s, b|1, rot/2]
+        return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+
+
+# --- attention ----------------------------------------------------------------------------------
+
+class DotProductAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v for this rank's heads: q [s, b, np, d], k/v [s, b, ng, d] -> [s, b, np*d].
+
+    ``attention_mask``: bool [b or 1, 1, s, s], True where attention is NOT allowed (Megatron's
+    convention); None means causal. Attention dropout runs on the TP-split tracked stream.
+    """
+
+    def __init__(self, config: TransformerConfig, heads_per_rank: int, groups_per_rank: int):
+        super().__init__()
+        self.config = config
+        self.heads_per_rank, self.groups_per_rank = heads_per_rank, groups_per_rank
+        self.softmax_scale = config.kv_channels ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        s, b = q.shape[:2]
+        p = self.config.attention_dropout if self.training else 0.0
+        with (get_cuda_rng_tracker().fork() if p > 0 else contextlib.nullcontext()):
+            if self.config.attention_backend == "sdpa":
+                ctx = self._sdpa(q, k, v, attention_mask, p)
+            else:
+                ctx = self._local(q, k, v, attention_mask, p)
+        return ctx.reshape(s, b, -1)
+
+    def _sdpa(self, q, k, v, attention_mask, p):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        kwargs = {}
+        if self.groups_per_rank != self.heads_per_rank:
+            if _SDPA_HAS_GQA:
+                kwargs["enable_gqa"] = True
+            else:
+                rep = self.heads_per_rank // self.groups_per_rank
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        ctx = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if attention_mask is None else ~attention_mask, dropout_p=p,
+            is_causal=attention_mask is None, scale=self.softmax_scale, **kwargs,
+        )
+        return ctx.permute(2, 0, 1, 3)  # [s, b, n, d]
+
+    def _local(self, q, k, v, attention_mask, p):
+        """Megatron's DotProductAttention: explicit [b, np, s, s] scores, (fused) masked softmax."""
+        cfg = self.config
+        sq, b, np_, d = q.shape
+        sk = k.size(0)
+        if self.groups_per_rank != np_:
+            rep = np_ // self.groups_per_rank
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        q = q.reshape(sq, b * np_, d).transpose(0, 1)  # [b*np, sq, d]
+        k = k.reshape(sk, b * np_, d).transpose(0, 1)
+        v = v.reshape(sk, b * np_, d).transpose(0, 1)
+        scores = torch.baddbmm(torch.empty(b * np_, sq, sk, dtype=q.dtype, device=q.device), q, k.transpose(1, 2),
+                               beta=0.0, alpha=self.softmax_scale)
+        if cfg.attention_softmax_in_fp32:
+            scores = scores.float()
+        if attention_mask is None:
+            softmax = scaled_upper_triang_masked_softmax if cfg.masked_softmax_fusion else \
+                _plain_scaled_upper_triang_masked_softmax
+            probs = softmax(scores, 1.0)
+        else:
+            scores = scores.view(b, np_, sq, sk).masked_fill(attention_mask, torch.finfo(scores.dtype).min)
+            probs = torch.softmax(scores, dim=-1).view(b * np_, sq, sk)
+        probs = F.dropout(probs.to(v.dtype), p=p, training=p > 0)
+        ctx = torch.bmm(probs, v)  # [b*np, sq, d]
+        return ctx.view(b, np_, sq, d).permute(2, 0, 1, 3)
+
+
+class SelfAttention(nn.Module):
+    """linear_qkv (column-parallel) -> RoPE -> core attention -> linear_proj (row-parallel).
+
+    Returns (output, bias): the projection's bias is left for the bias-dropout-add.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, tp_group: Optional[dist.ProcessGroup]):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        _, tp = group_rank_and_size(tp_group)
+        self.heads_per_rank = config.num_attention_heads // tp
+        self.groups_per_rank = config.num_query_groups // tp
+        self.kv_channels = config.kv_channels
+        query_size = config.kv_channels * config.num_attention_heads
+        kv_size = config.kv_channels * config.num_query_groups
+        common = dict(sequence_parallel=config.sequence_parallel,
+                      gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+                      params_dtype=config.params_dtype, tp_group=tp_group)
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, query_size + 2 * kv_size, bias=config.add_bias_linear or config.add_qkv_bias,
+            gather_output=False, init_method=init_method_normal(config.init_method_std), **common,
+        )
+        self.core_attention = DotProductAttention(config, self.heads_per_rank, self.groups_per_rank)
+        self.linear_proj = RowParallelLinear(
+            query_size, config.hidden_size, bias=config.add_bias_linear, input_is_parallel=True,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers),
+            skip_bias_add=True, **common,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                rotary_pos_emb: Optional[torch.Tensor]):
+        cfg = self.config
+        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng/tp * (np/ng + 2) * d]
+        s, b = mixed.shape[:2]
+        q_per_group, d = self.heads_per_rank // self.groups_per_rank, self.kv_channels
+        mixed = mixed.view(s, b, self.groups_per_rank, (q_per_group + 2) * d)
+        q, k, v = torch.split(mixed, [q_per_group * d, d, d], dim=3)
+        q = q.reshape(s, b, self.heads_per_rank, d)
+        if rotary_pos_emb is not None:
+            rope = apply_rotary_pos_emb if cfg.apply_rope_fusion else _plain_apply_rotary_pos_emb
+            q, k = rope(q, rotary_pos_emb), rope(k, rotary_pos_emb)
+        if cfg.recompute_granularity == "selective" and self.training:
+            # Keep only q, k, v: the s x s scores and probabilities are recomputed in backward.
+            ctx = tensor_parallel.checkpoint(self.core_attention, q, k, v, attention_mask)
+        else:
+            ctx = self.core_attention(q, k, v, attention_mask)
+        return self.linear_proj(ctx)
+
+
+# --- MLP ----------------------------------------------------------------------------------------
+
+def _activation_fn(config: TransformerConfig) -> Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]:
+    """act(x + bias), or act(gate) * up for a gated unit; the fused wrapper where one exists."""
+    if config.swiglu:
+        return bias_swiglu if config.bias_activation_fusion else _plain_bias_swiglu
+    if config.activation == "gelu_tanh" and not config.gated_linear_unit:
+        return bias_gelu if config.bias_activation_fusion else _plain_bias_gelu
+    act = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}[config.activation]
+
+    def plain(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        x = x if bias is None else x + bias
+        if config.gated_linear_unit:
+            gate, up = torch.chunk(x, 2, dim=-1)
+            return act(gate) * up
+        return act(x)
+
+    return plain
+
+
+class MLP(nn.Module):
+    """linear_fc1 (column-parallel, [gate; up] with a gated unit) -> activation -> linear_fc2 (row-parallel)."""
+
+    def __init__(self, config: TransformerConfig, tp_group: Optional[dist.ProcessGroup]):
+        super().__init__()
+        common = dict(sequence_parallel=config.sequence_parallel,
+                      gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+                      params_dtype=config.params_dtype, tp_group=tp_group, skip_bias_add=True,
+                      bias=config.add_bias_linear)
+        gated = config.gated_linear_unit
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size, config.ffn_hidden_size * (2 if gated else 1), gather_output=False,
+            init_method=init_method_normal(config.init_method_std), stride=2 if gated else 1, **common,
+        )
+        self.activation = _activation_fn(config)
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
+            init_method=scaled_init_method_normal(config.init_method_std, config.num_layers), **common,
+        )
+
+    def forward(self, hidden_states: torch.Tensor):
+        intermediate, bias = self.linear_fc1(hidden_states)
+        return self.linear_fc2(self.activation(intermediate, bias))
+
+
+# --- transformer layer and block ----------------------------------------------------------------
+
+class TransformerLayer(nn.Module):
+    """Pre-norm layer: x + attn(norm(x)), then x + mlp(norm(x)), each with bias-dropout-add."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, tp_group: Optional[dist.ProcessGroup]):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number  # global, 1-based (Megatron's)
+        self.input_layernorm = Norm(config, config.hidden_size)
+        self.self_attention = SelfAttention(config, layer_number, tp_group)
+        self.pre_mlp_layernorm = Norm(config, config.hidden_size)
+        self.mlp = MLP(config, tp_group)
+        self.bias_dropout_add = bias_dropout_add if config.bias_dropout_fusion else _plain_bias_dropout_add
+
+    def _residual(self, out_with_bias, residual: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        out, bias = out_with_bias
+        with _dropout_rng(cfg.sequence_parallel, self.training and cfg.hidden_dropout > 0):
+            return self.bias_dropout_add(out, bias, residual, cfg.hidden_dropout, self.training)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                rotary_pos_emb: Optional[torch.Tensor]) -> torch.Tensor:
+        post_ln_residual = self.config.apply_residual_connection_post_layernorm
+        normed = self.input_layernorm(hidden_states)
+        attention = self.self_attention(normed, attention_mask, rotary_pos_emb)
+        hidden_states = self._residual(attention, normed if post_ln_residual else hidden_states)
+        normed = self.pre_mlp_layernorm(hidden_states)
+        return self._residual(self.mlp(normed), normed if post_ln_residual else hidden_states)
+
+
+class TransformerBlock(nn.Module):
+    """The layers of one model chunk (global indices ``layer_numbers``) and, on the last, the final norm."""
+
+    def __init__(self, config: TransformerConfig, layer_numbers: range, post_process: bool,
+                 tp_group: Optional[dist.ProcessGroup]):
+        super().__init__()
+        self.config = config
+        layers = []
+        for index in layer_numbers:
+            with _init_rng(config.seed, f"decoder.layers.{index}"):
+                layers.append(TransformerLayer(config, index + 1, tp_group))
+        self.layers = nn.ModuleList(layers)
+        if post_process:
+            self.final_layernorm = Norm(config, config.hidden_size)
+        else:
+            self.final_layernorm = None
+
+    def _run(self, start: int, end: int) -> Callable:
+        def run(hidden_states, attention_mask, rotary_pos_emb):
+            for layer in self.layers[start:end]:
+                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb)
+            return hidden_states
+
+        return run
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                rotary_pos_emb: Optional[torch.Tensor]) -> torch.Tensor:
+        cfg, n = self.config, len(self.layers)
+        if cfg.recompute_granularity == "full" and self.training:
+            k = cfg.recompute_num_layers
+            if cfg.recompute_method == "uniform":  # every group of k layers keeps only its input
+                for start in range(0, n, k):
+                    hidden_states = tensor_parallel.checkpoint(
+                        self._run(start, min(start + k, n)), hidden_states, attention_mask, rotary_pos_emb)
+            else:  # "block": the first k layers of the chunk are recomputed, the rest keep activations
+                for i in range(n):
+                    if i < k:
+                        hidden_states = tensor_parallel.checkpoint(
+                            self._run(i, i + 1), hidden_states, attention_mask, rotary_pos_emb)
+                    else:
+                        hidden_states = self.layers[i](hidden_states, attention_mask, rotary_pos_emb)
+        else:
+            hidden_states = self._run(0, n)(hidden_states, attention_mask, rotary_pos_emb)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+class GPTModel(nn.Module):
+    """One model chunk of a GPT: the whole model, or one (virtual) pipeline stage of it.
+
+    Args:
+        config: the TransformerConfig.
+        pre_process: this chunk holds the embedding (the first virtual pipeline stage).
+        post_process: this chunk holds the final norm, the output layer and the loss (the last).
+        layer_numbers: GLOBAL 0-based indices of the layers this chunk holds (a step-1 range);
+            None = all ``config.num_layers``. ``decoder.layers.{i}`` is the i-th of them.
+        vp_stage: the virtual pipeline stage (local chunk index) this chunk is, for the caller's use.
+        tp_group: the tensor-parallel group; None = the default one from parallel_state (or none).
+
+    ``forward(input_ids, position_ids, attention_mask=None, labels=None, loss_mask=None)`` returns
+    - post_process with labels: the per-token loss [b, s] in fp32 (times loss_mask if given);
+    - post_process without labels: logits [b, s, padded_vocab/tp] (see ``gather_logits``);
+    - otherwise: hidden states [s, b, h] ([s/tp, b, h] under sequence parallelism), which the
+      next stage receives through ``set_input_tensor``.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_numbers: Optional[range] = None,
+        vp_stage: Optional[int] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
+    ):
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        _, tp = group_rank_and_size(self.tp_group)
+        if tp != config.tensor_model_parallel_size:
+            raise ValueError(
+                f"config.tensor_model_parallel_size={config.tensor_model_parallel_size} but the tensor-parallel "
+                f"group has {tp} rank(s); initialise parallel_state with the same TP size (or pass tp_group)"
+            )
+        if layer_numbers is None:
+            layer_numbers = range(config.num_layers)
+        if not isinstance(layer_numbers, range) or layer_numbers.step != 1 or (
+                len(layer_numbers) and (layer_numbers.start < 0 or layer_numbers.stop > config.num_layers)):
+            raise ValueError(f"layer_numbers must be a step-1 range inside range(0, {config.num_layers}) "
+                             f"(num_layers), got {layer_numbers!r}")
+        self.config = config
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_numbers = layer_numbers
+        self.vp_stage = vp_stage
+        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
+        self.input_tensor: Optional[torch.Tensor] = None
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, self.tp_group)
+        if config.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(config)
+        self.decoder = TransformerBlock(config, layer_numbers, post_process, self.tp_group)
+        if post_process:
+            tied = self.share_embeddings_and_output_weights
+            # Tied: the last stage's copy starts as the first stage's embedding (same sub-seed, same draws).
+            with _init_rng(config.seed, "embedding.word_embeddings" if tied else "output_layer"):
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, config.padded_vocab_size, bias=False, gather_output=False,
+                    init_method=_vocab_init(init_method_normal(config.init_method_std), config.vocab_size),
+                    skip_weight_param_allocation=pre_process and tied,
+                    sequence_parallel=config.sequence_parallel,
+                    gradient_accumulation_fusion=config.gradient_accumulation_fusion,
+                    params_dtype=config.params_dtype, tp_group=self.tp_group,
+                )
+        self._mark_embedding_parameters()
+
+    def _mark_embedding_parameters(self) -> None:
+        """Megatron's attributes for the gradient finalisation and the optimizer."""
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self.post_process and self.output_layer.weight is not None:
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+        shared = self.shared_embedding_or_output_weight()
+        if shared is not None and self.pre_process != self.post_process:
+            # Held by the first and the last stage: its gradients must be summed over the embedding group.
+            shared.shared_embedding = True
+
+    # --- Megatron's pipeline hooks ------------------------------------------------------------
+    def set_input_tensor(self, input_tensor: Union[torch.Tensor, Sequence[Optional[torch.Tensor]], None]) -> None:
+        """The hidden states a non-first stage starts from ([s, b, h], or [s/tp, b, h] under SP)."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"GPTModel takes one input tensor, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        """The tied parameter: the embedding weight on the first stage, the output weight on the last."""
+        if not self.share_embeddings_and_output_weights:
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def global_layer_index(self, local_index: int) -> int:
+        """Global 0-based index of ``decoder.layers.{local_index}``."""
+        return self.layer_numbers[local_index]
+
+    # --- forward --------------------------------------------------------------------------------
+    def _check_inputs(self, input_ids, position_ids, attention_mask, labels, loss_mask) -> tuple[int, int]:
+        """(batch, full sequence length), after checking every shape against the config."""
+        cfg = self.config
+        tp = cfg.tensor_model_parallel_size
+        if self.pre_process:
+            if input_ids is None or input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, seq], got "
+                                 f"{None if input_ids is None else tuple(input_ids.shape)}")
+            b, s = input_ids.shape
+        else:
+            x = self.input_tensor
+            if x is None:
+                raise RuntimeError("this model chunk has no embedding (pre_process=False): call "
+                                   "set_input_tensor() with the previous stage's output before forward")
+            if x.dim() != 3 or x.size(2) != cfg.hidden_size:
+                raise ValueError(f"the input tensor must be [s, b, hidden_size={cfg.hidden_size}], "
+                                 f"got {tuple(x.shape)}")
+            s, b = x.size(0) * (tp if cfg.sequence_parallel else 1), x.size(1)
+        if cfg.sequence_parallel and s % tp != 0:
+            raise ValueError(f"sequence_parallel needs the sequence length ({s}) divisible by "
+                             f"tensor_model_parallel_size ({tp})")
+        if cfg.position_embedding_type == "learned_absolute" and s > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings ({cfg.max_position_embeddings})")
+        for name, t in (("position_ids", position_ids), ("labels", labels), ("loss_mask", loss_mask)):
+            if t is not None and tuple(t.shape) != (b, s):
+                raise ValueError(f"{name} must be [batch, seq] = {(b, s)}, got {tuple(t.shape)}")
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise ValueError("attention_mask must be a bool tensor, True where attention is NOT allowed "
+                                 f"(Megatron's convention); got {attention_mask.dtype}")
+            if attention_mask.dim() != 4 or attention_mask.shape[-2:] != (s, s) or attention_mask.size(0) not in (1, b):
+                raise ValueError(f"attention_mask must be [b or 1, 1, s, s] = [{b}, 1, {s}, {s}], "
+                                 f"got {tuple(attention_mask.shape)}")
+        return b, s
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        cfg = self.config
+        b, s = self._check_inputs(input_ids, position_ids, attention_mask, labels, loss_mask)
+        if self.pre_process:
+            if position_ids is None and cfg.position_embedding_type == "learned_absolute":
+                position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+            hidden_states = self.embedding(input_ids, position_ids)
+        else:
+            hidden_states = self.input_tensor
+        rotary_pos_emb = None
+        if cfg.position_embedding_type == "rope":
+            rotary_pos_emb = self.rotary_pos_emb(position_ids, s, hidden_states.device)
+
+        hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb)
+        if not self.post_process:
+            return hidden_states
+
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, padded_vocab/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=cfg.vocab_size, group=self.tp_group)
+        loss = loss.t().contiguous()  # [b, s]
+        if loss_mask is not None:
+            loss = loss * loss_mask.to(loss.dtype)
+        return loss
+
+
+def gather_logits(logits: torch.Tensor, vocab_size: int,
+                  tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Full real-vocabulary logits [..., vocab_size] from GPTModel's TP-split, padded ones."""
+    return gather_from_tensor_model_parallel_region(logits, tp_group)[..., :vocab_size]

@@ -1,0 +1,414 @@
+"""The GPT model: conventions against a plain reference, recomputation, pipeline split, TP/SP.
+
+Single process: a dense nanoGPT-style reference written from HF's conventions (separate q/k/v,
+rotate-half RoPE, repeat_kv, [gate, up]) reads the model's parameters and must give the same
+loss; recomputation (full uniform/block, selective) reproduces loss and gradients with dropout
+on; pipeline stages built with pre/post flags and layer ranges, chained by hand, reproduce the
+full model's loss, parameters and gradients.
+Multi-process: one launch of 4 ranks sweeps TP in {1, 2, 4} x SP for both families (GQA at
+TP=2, MHA at TP=4) against the single-process model, in fp32.
+"""
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import GPTModel, gather_logits, gpt2_config, llama_config, llama_ffn_hidden_size
+from parallel3d import parallel_state as ps
+from parallel3d import tensor_parallel as tp
+from parallel3d.testing import run_distributed
+
+ATOL = 1e-5
+B, S = 2, 16
+
+
+def _close(a, b, what, atol=ATOL):
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    err = (a.float() - b.float()).abs().max().item()
+    assert err <= atol, f"{what}: max abs diff {err:.3g} > {atol}"
+
+
+def _config(family, **overrides):
+    base = dict(hidden_dropout=0.0, attention_dropout=0.0, seq_length=S)
+    base.update(overrides)
+    return (gpt2_config if family == "gpt2" else llama_config)("tiny", **base)
+
+
+def _data(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    position_ids = torch.arange(S).expand(B, S)
+    weights = torch.rand(B, S, generator=g)  # a non-uniform reduction, so every token's grad matters
+    return ids, position_ids, labels, weights
+
+
+def _loss_and_grads(model, cfg, seed=0, dropout_seed=None):
+    ids, pos, labels, w = _data(cfg, seed)
+    if dropout_seed is not None:
+        tp.model_parallel_cuda_manual_seed(dropout_seed)
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, pos, labels=labels)
+    (loss * w).sum().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------ reference (HF conventions)
+
+def _reference_loss(model, cfg, ids, labels):
+    """A dense GPT in the style of HF GPT-2 / LLaMA, reading GPTModel's parameters."""
+    P = {n: p.detach() for n, p in model.named_parameters()}
+    nh, ng, d, H = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.hidden_size
+    b, s = ids.shape
+
+    def norm(x, prefix):
+        if cfg.normalization == "RMSNorm":
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.layernorm_epsilon) * P[prefix + ".weight"]
+        return F.layer_norm(x, (H,), P[prefix + ".weight"], P[prefix + ".bias"], cfg.layernorm_epsilon)
+
+    def rope(x):  # x [b, n, s, d]; HF LLaMA's rotate_half
+        inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, d, 2).float() / d))
+        freqs = torch.outer(torch.arange(s).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return x * emb.cos() + torch.cat((-x2, x1), dim=-1) * emb.sin()
+
+    x = P["embedding.word_embeddings.weight"][ids]
+    if cfg.position_embedding_type == "learned_absolute":
+        x = x + P["embedding.position_embeddings.weight"][:s]
+    for i in range(cfg.num_layers):
+        pre = f"decoder.layers.{i}."
+        h = norm(x, pre + "input_layernorm")
+        # Megatron's fused QKV: per query group [q heads of the group, k, v] -> HF's q_proj/k_proj/v_proj
+        w = P[pre + "self_attention.linear_qkv.weight"].view(ng, (nh // ng + 2) * d, H)
+        wq, wk, wv = w.split([nh // ng * d, d, d], dim=1)
+        bq = bk = bv = None
+        if pre + "self_attention.linear_qkv.bias" in P:
+            bias = P[pre + "self_attention.linear_qkv.bias"].view(ng, (nh // ng + 2) * d)
+            bq, bk, bv = (t.reshape(-1) for t in bias.split([nh // ng * d, d, d], dim=1))
+        q = F.linear(h, wq.reshape(nh * d, H), bq).view(b, s, nh, d).transpose(1, 2)
+        k = F.linear(h, wk.reshape(ng * d, H), bk).view(b, s, ng, d).transpose(1, 2)
+        v = F.linear(h, wv.reshape(ng * d, H), bv).view(b, s, ng, d).transpose(1, 2)
+        if cfg.position_embedding_type == "rope":
+            q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(nh // ng, dim=1), v.repeat_interleave(nh // ng, dim=1)  # HF repeat_kv
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        att = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, nh * d)
+        x = x + F.linear(att, P[pre + "self_attention.linear_proj.weight"], P.get(pre + "self_attention.linear_proj.bias"))
+        h = norm(x, pre + "pre_mlp_layernorm")
+        u = F.linear(h, P[pre + "mlp.linear_fc1.weight"], P.get(pre + "mlp.linear_fc1.bias"))
+        if cfg.gated_linear_unit:
+            gate, up = u.chunk(2, dim=-1)
+            u = F.silu(gate) * up
+        else:
+            u = F.gelu(u, approximate="tanh")  # HF GPT-2 gelu_new
+        x = x + F.linear(u, P[pre + "mlp.linear_fc2.weight"], P.get(pre + "mlp.linear_fc2.bias"))
+    x = norm(x, "decoder.final_layernorm")
+    out_w = P["output_layer.weight" if cfg.untie_embeddings_and_output_weights else "embedding.word_embeddings.weight"]
+    logits = x @ out_w[: cfg.vocab_size].t()
+    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.reshape(-1), reduction="none").view(b, s)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_forward_backward_and_reference(family):
+    cfg = _config(family, num_layers=2)
+    model = GPTModel(cfg)
+    ids, pos, labels, w = _data(cfg)
+    loss = model(ids, pos, labels=labels)
+    assert loss.shape == (B, S) and loss.dtype == torch.float32
+    assert abs(loss.mean().item() - math.log(cfg.vocab_size)) < 0.5  # near-uniform prediction at init
+    _close(loss, _reference_loss(model, cfg, ids, labels), "loss vs HF-convention reference")
+
+    logits = model(ids, pos)
+    assert logits.shape == (B, S, cfg.padded_vocab_size)
+    full = gather_logits(logits, cfg.vocab_size)
+    assert full.shape == (B, S, cfg.vocab_size)
+    ref = F.cross_entropy(full.reshape(-1, cfg.vocab_size), labels.reshape(-1), reduction="none").view(B, S)
+    _close(loss, ref, "loss vs cross entropy of the gathered logits")
+    masked = model(ids, pos, labels=labels, loss_mask=(labels % 2).float())
+    _close(masked, loss * (labels % 2), "loss_mask")
+
+    (loss * w).sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{name} got no gradient"
+    emb = model.embedding.word_embeddings.weight
+    assert torch.all(emb[cfg.vocab_size:] == 0) and torch.all(emb.grad[cfg.vocab_size:] == 0), "padding rows"
+    assert (model.shared_embedding_or_output_weight() is emb) == (family == "gpt2")
+    assert [layer.layer_number for layer in model.decoder.layers] == [1, 2]
+
+
+def test_attention_backends_masks_and_fusion_flags_agree():
+    for family in ("gpt2", "llama"):
+        cfg = _config(family)
+        ids, pos, labels, _ = _data(cfg)
+        ref = GPTModel(cfg)(ids, pos, labels=labels)
+        causal = torch.ones(S, S, dtype=torch.bool).triu(1)[None, None]
+        plain = dict(bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                     apply_rope_fusion=False, normalization_fusion=False)
+        for variant, mask in ((dict(attention_backend="local"), None), (dict(attention_backend="local"), causal),
+                              (dict(), causal), (plain, None), (dict(attention_backend="local", **plain), None)):
+            out = GPTModel(_config(family, **variant))(ids, pos, attention_mask=mask, labels=labels)
+            _close(out, ref, f"{family} {variant} mask={mask is not None}")
+        # A mask that hides more than the causal one changes the result the same way on both backends.
+        mask = causal.clone().expand(B, 1, S, S).clone()
+        mask[0, :, :, :3] = True
+        mask[0, 0, torch.arange(3), torch.arange(3)] = False  # every query keeps at least itself
+        a = GPTModel(cfg)(ids, pos, attention_mask=mask, labels=labels)
+        b = GPTModel(_config(family, attention_backend="local"))(ids, pos, attention_mask=mask, labels=labels)
+        _close(a, b, f"{family} padding mask, sdpa vs local")
+        assert not torch.allclose(a, ref)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_recompute_reproduces_loss_and_grads_with_dropout(family):
+    cfg_kw = dict(num_layers=3, hidden_dropout=0.2, attention_dropout=0.2)
+    base = GPTModel(_config(family, **cfg_kw))
+    loss, grads = _loss_and_grads(base, base.config, dropout_seed=7)
+    ids, pos, labels, _ = _data(base.config)
+    with torch.no_grad():
+        assert not torch.allclose(loss, base.eval()(ids, pos, labels=labels)), "dropout had no effect"
+    for recompute in (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+                      dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+                      dict(recompute_granularity="selective")):
+        model = GPTModel(_config(family, **cfg_kw, **recompute))
+        got_loss, got_grads = _loss_and_grads(model, model.config, dropout_seed=7)
+        _close(got_loss, loss, f"{recompute} loss", atol=1e-6)
+        for name, g in grads.items():
+            _close(got_grads[name], g, f"{recompute} grad {name}", atol=1e-6)
+
+
+# ------------------------------------------------------------------ pipeline split in one process
+
+def _stage_to_full_name(stage, name):
+    if name.startswith("decoder.layers."):
+        local, rest = name[len("decoder.layers."):].split(".", 1)
+        return f"decoder.layers.{stage.global_layer_index(int(local))}.{rest}"
+    if name == "output_layer.weight" and stage.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"
+    return name
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_pipeline_stages_chained_by_hand_match_full_model(family):
+    full_cfg = _config(family, num_layers=4)
+    full = GPTModel(full_cfg)
+    ref_loss, ref_grads = _loss_and_grads(full, full_cfg)
+    full_params = dict(full.named_parameters())
+    ids, pos, labels, w = _data(full_cfg)
+
+    splits = {  # (pipeline config, per-virtual-stage layer ranges)
+        "PP=2": (dict(pipeline_model_parallel_size=2), [range(0, 2), range(2, 4)]),
+        "PP=2 x VP=2": (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+                        [range(i, i + 1) for i in range(4)]),
+        "PP=2 uneven": (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1),
+                        [range(0, 1), range(1, 4)]),
+    }
+    for what, (pp_kw, ranges) in splits.items():
+        cfg = _config(family, num_layers=4, **pp_kw)
+        last = len(ranges) - 1
+        stages = [GPTModel(cfg, pre_process=k == 0, post_process=k == last, layer_numbers=r, vp_stage=k)
+                  for k, r in enumerate(ranges)]
+        for stage in stages:  # layout independence: the stages hold exactly the full model's values
+            for name, p in stage.named_parameters():
+                assert torch.equal(p, full_params[_stage_to_full_name(stage, name)]), f"{what}: {name} differs"
+
+        # Forward stage by stage (stage k's output is stage k+1's input), then backward in reverse.
+        inputs, outputs = [None], []
+        for k, stage in enumerate(stages):
+            stage.set_input_tensor(inputs[-1])
+            out = stage(ids if k == 0 else None, pos, labels=labels if k == last else None)
+            outputs.append(out)
+            if k < last:
+                assert out.shape == (S, B, full_cfg.hidden_size)
+                inputs.append(out.detach().requires_grad_())
+        _close(outputs[-1], ref_loss, f"{what} loss")
+        (outputs[-1] * w).sum().backward()
+        for k in range(last - 1, -1, -1):
+            outputs[k].backward(inputs[k + 1].grad)
+
+        grads = {}
+        for stage in stages:
+            for name, p in stage.named_parameters():
+                full_name = _stage_to_full_name(stage, name)
+                grads[full_name] = grads.get(full_name, 0) + p.grad  # the tied weight: first + last stage
+        assert grads.keys() == ref_grads.keys(), f"{what}: parameters differ"
+        for name, g in ref_grads.items():
+            _close(grads[name], g, f"{what} grad {name}")
+
+        tied = family == "gpt2"
+        shared = [s.shared_embedding_or_output_weight() for s in stages]
+        assert (shared[0] is stages[0].embedding.word_embeddings.weight) == tied
+        assert (shared[-1] is stages[-1].output_layer.weight) == tied
+        assert all(x is None for x in shared[1:-1])
+        assert all(getattr(x, "shared_embedding", False) for x in shared if x is not None)
+
+
+# ------------------------------------------------------------------ configs and errors
+
+def test_presets_and_derived_fields():
+    assert llama_ffn_hidden_size(4096) == 11008  # LLaMA-7B's 2/3 * 4h rounded up to 256
+    c = llama_config("7b")
+    assert (c.ffn_hidden_size, c.num_query_groups, c.kv_channels, c.padded_vocab_size) == (11008, 32, 128, 32000)
+    c = llama_config("1b", tensor_model_parallel_size=8)
+    assert (c.num_query_groups, c.rotary_base, c.padded_vocab_size) == (8, 500000.0, 129024)
+    c = gpt2_config("124m")
+    assert (c.ffn_hidden_size, c.activation, c.padded_vocab_size, c.untie_embeddings_and_output_weights) == \
+        (3072, "gelu_tanh", 50304, False)
+    assert gpt2_config("tiny", bf16=True).params_dtype == torch.bfloat16
+    assert gpt2_config("tiny", params_dtype="fp16").params_dtype == torch.float16
+    with pytest.warns(UserWarning, match="sequence_parallel=True has no effect"):
+        assert gpt2_config("tiny", sequence_parallel=True).sequence_parallel is False
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_attention_heads=6), r"hidden_size \(64\) is not divisible by num_attention_heads \(6\)"),
+    (dict(tensor_model_parallel_size=8), r"num_attention_heads \(4\) is not divisible by tensor_model_parallel_size \(8\)"),
+    (dict(num_query_groups=3), r"num_attention_heads \(4\) is not divisible by num_query_groups \(3\)"),
+    (dict(tensor_model_parallel_size=4), r"num_query_groups \(2\) is not divisible by tensor_model_parallel_size \(4\)"),
+    (dict(num_layers=3, pipeline_model_parallel_size=2),
+     r"num_layers \(3\) is not divisible by pipeline_model_parallel_size \(2\) x virtual_pipeline_model_parallel_size \(1\)"),
+    (dict(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4),
+     r"num_layers \(4\) is not divisible by .* = 8"),
+    (dict(num_layers=5, pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=2),
+     r"the 3 layers left for the 2 middle pipeline stage\(s\) are not divisible by 2"),
+    (dict(num_layers=5, pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=2,
+          num_layers_in_last_pipeline_stage=2), r"num_layers \(5\) does not match"),
+    (dict(num_layers=4, virtual_pipeline_model_parallel_size=2), r"needs pipeline_model_parallel_size > 1"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, seq_length=33),
+     r"seq_length \(33\) divisible by tensor_model_parallel_size \(2\)"),
+    (dict(bf16=True, fp16=True), "bf16 and fp16 are both set"),
+    (dict(bf16=True, params_dtype="fp16"), "contradicts bf16=True"),
+    (dict(recompute_granularity="everything"), "recompute_granularity must be one of"),
+    (dict(hidden_dropout=1.0), r"hidden_dropout must be in \[0, 1\)"),
+    (dict(rotary_percent=0.1), r"rotary dimension .* = 1 must be an even number"),
+    (dict(nonsense=1), r"unknown TransformerConfig field\(s\) \['nonsense'\]"),
+])
+def test_bad_configs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llama_config("tiny", **kwargs)
+
+
+def test_bad_model_inputs():
+    with pytest.raises(ValueError, match=r"seq_length \(40\) exceeds max_position_embeddings \(32\)"):
+        gpt2_config("tiny", seq_length=40, max_position_embeddings=32)
+    with pytest.raises(ValueError, match="unknown gpt2 size 'huge'"):
+        gpt2_config("huge")
+    with pytest.raises(ValueError, match=r"config.tensor_model_parallel_size=2 but the tensor-parallel group has 1"):
+        GPTModel(_config("gpt2", tensor_model_parallel_size=2))
+    cfg = _config("gpt2", num_layers=2)
+    with pytest.raises(ValueError, match=r"layer_numbers must be a step-1 range inside range\(0, 2\)"):
+        GPTModel(cfg, layer_numbers=range(1, 3))
+    stage = GPTModel(cfg, pre_process=False, layer_numbers=range(1, 2))
+    with pytest.raises(RuntimeError, match="call set_input_tensor"):
+        stage(None, None)
+    model = GPTModel(cfg)
+    ids, pos, labels, _ = _data(cfg)
+    with pytest.raises(ValueError, match=r"labels must be \[batch, seq\] = \(2, 16\), got \(2, 15\)"):
+        model(ids, pos, labels=labels[:, 1:])
+    with pytest.raises(ValueError, match="attention_mask must be a bool tensor"):
+        model(ids, pos, attention_mask=torch.zeros(1, 1, S, S))
+    with pytest.raises(ValueError, match=r"sequence length 33 exceeds max_position_embeddings \(16\)"):
+        model(torch.zeros(1, 33, dtype=torch.long), None)
+
+
+def test_bf16_parameters_fp32_loss():
+    cfg = _config("llama", bf16=True)
+    model = GPTModel(cfg)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    ids, pos, labels, _ = _data(cfg)
+    loss = model(ids, pos, labels=labels)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss).all()
+    loss.mean().backward()
+    ref = GPTModel(_config("llama"))(ids, pos, labels=labels)
+    _close(loss, ref, "bf16 vs fp32 loss", atol=0.05)  # same initial values, bf16 rounding only
+
+
+# ------------------------------------------------------------------ tensor + sequence parallel
+
+def _shard_of(full, param, rank, world):
+    """The part of the full (TP=1) tensor that this rank's shard ``param`` holds.
+
+    Uses Megatron's attributes: the partition dim is seen as ``partition_stride`` blocks
+    (SwiGLU's [gate; up]) and rank r holds its slice of every block. linear_qkv needs no
+    special case: its rows are grouped per query group and TP ranks hold whole groups.
+    A padded vocabulary grows with TP; the extra rows are zero.
+    """
+    if not getattr(param, "tensor_model_parallel", False) or world == 1:
+        return full
+    dim, stride = param.partition_dim, param.partition_stride
+    size = param.size(dim) * world
+    if full.size(dim) < size:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = size - full.size(dim)
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    pieces = torch.split(full, size // (stride * world), dim=dim)
+    return torch.cat(pieces[rank::world], dim=dim)
+
+
+_SWEEP = [  # (family, overrides, [(tp, sp), ...])
+    ("gpt2", dict(), [(1, False), (2, False), (2, True), (4, False), (4, True)]),
+    ("llama", dict(num_query_groups=2), [(1, False), (2, False), (2, True)]),  # GQA
+    ("llama", dict(num_query_groups=None), [(4, False), (4, True)]),  # MHA: 4 heads over 4 ranks
+]
+
+
+def _sweep_cfg(family, overrides, **kw):
+    # vocab 300 pads to 384 at TP=1 but 512 at TP=2/4: padding must not change the loss.
+    return _config(family, num_layers=2, vocab_size=300, **overrides, **kw)
+
+
+def _tp_sweep(rank, world_size):
+    torch.manual_seed(0)
+    references = []
+    for family, overrides, _ in _SWEEP:  # before any parallel state: plain single-process models
+        model = GPTModel(_sweep_cfg(family, overrides))
+        loss, grads = _loss_and_grads(model, model.config)
+        references.append((loss, grads, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    done = []
+    for (family, overrides, layouts), (ref_loss, ref_grads, ref_params) in zip(_SWEEP, references):
+        for tp_size, sp in layouts:
+            what = f"[{family} {overrides} TP={tp_size} SP={sp}]"
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+            try:
+                r = ps.get_tensor_model_parallel_rank()
+                cfg = _sweep_cfg(family, overrides, tensor_model_parallel_size=tp_size, sequence_parallel=sp)
+                model = GPTModel(cfg)
+                for name, p in model.named_parameters():
+                    _close(p, _shard_of(ref_params[name], p, r, tp_size), f"{what} init {name}", atol=0.0)
+                loss, grads = _loss_and_grads(model, cfg)
+                tp.allreduce_sequence_parallel_gradients(model.parameters())
+                _close(loss, ref_loss, f"{what} loss")
+                for name, p in model.named_parameters():
+                    _close(p.grad, _shard_of(ref_grads[name], p, r, tp_size), f"{what} grad {name}")
+                    assert getattr(p, "sequence_parallel", False) == (sp and p.dim() == 1
+                                                                      and not getattr(p, "tensor_model_parallel", False)), \
+                        f"{what} {name}: sequence_parallel attribute"
+                if sp and family == "gpt2":
+                    _check_recompute_under_sp(cfg, what)
+            finally:
+                ps.destroy_model_parallel()
+            done.append((family, tp_size, sp))
+    return done
+
+
+def _check_recompute_under_sp(cfg, what):
+    """Dropout on sequence shards (tracked stream) is replayed exactly by full and selective recompute."""
+    results = []
+    for recompute in (None, "full", "selective"):
+        model = GPTModel(dataclasses.replace(cfg, hidden_dropout=0.2, attention_dropout=0.2,
+                                             recompute_granularity=recompute))
+        loss, grads = _loss_and_grads(model, model.config, dropout_seed=11)
+        results.append((loss, grads))
+    for (loss, grads), recompute in zip(results[1:], ("full", "selective")):
+        _close(loss, results[0][0], f"{what} recompute={recompute} loss", atol=1e-6)
+        for name, g in grads.items():
+            _close(g, results[0][1][name], f"{what} recompute={recompute} grad {name}", atol=1e-6)
+
+
+def test_tensor_and_sequence_parallel_match_single_process():
+    results = run_distributed(_tp_sweep, 4, timeout=240)
+    expected = [(family, t, sp) for family, _, layouts in _SWEEP for t, sp in layouts]
+    assert all(r == expected for r in results)
