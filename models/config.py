@@ -269,6 +269,24 @@ class TransformerConfig:
         return vocab_size_with_padding(self.vocab_size, self.make_vocab_size_divisible_by,
                                        self.tensor_model_parallel_size)
 
+    def layers_per_virtual_stage(self) -> list[int]:
+        """Layers held by each virtual pipeline stage v = chunk * PP + rank (Megatron's numbering).
+
+        This is ``layers_per_stage`` for ``parallel3d.pipeline.partition.partition_layers``: an
+        even split, or Megatron's uneven one (the first/last pipeline rank hold
+        num_layers_in_first/last_pipeline_stage layers, spread evenly over their chunks).
+        """
+        pp, chunks = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1
+        first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
+        middle_stages = pp - (first is not None) - (last is not None)
+        middle_layers = self.num_layers - (first or 0) - (last or 0)
+        per_rank = [middle_layers // middle_stages if middle_stages else 0] * pp
+        if first is not None:
+            per_rank[0] = first
+        if last is not None:
+            per_rank[-1] = last
+        return [per_rank[v % pp] // chunks for v in range(pp * chunks)]
+
     @property
     def rotary_dim(self) -> int:
         return int(self.kv_channels * self.rotary_percent)

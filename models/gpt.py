@@ -60,7 +60,9 @@ from parallel3d.tensor_parallel.utils import group_rank_and_size, resolve_tp_gro
 from .config import TransformerConfig
 
 # torch >= 2.5 lets SDPA share key/value heads across query heads without copying them.
-_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+_TORCH_VERSION = tuple(int(v) for v in torch.__version__.split(".")[:2])
+_SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
+_HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 
 
 # --- fused-op wrappers --------------------------------------------------------------------------
@@ -88,16 +90,16 @@ def _plain_bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], resid
 
 
 def _plain_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm over the last dim with fp32 statistics, output in x's dtype."""
-    out = F.layer_norm(x.float(), (x.size(-1),), weight.float(), bias.float(), eps)
-    return out.to(x.dtype)
+    """LayerNorm over the last dim; torch's kernels keep the statistics in fp32 for bf16/fp16 x."""
+    return F.layer_norm(x, (x.size(-1),), weight, bias, eps)
 
 
 def _plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim with fp32 statistics, output in x's dtype."""
+    """RMSNorm over the last dim: normalised in fp32, cast to x's dtype, times weight (HF LLaMA's order)."""
+    if _HAS_RMS_NORM:  # the same formula, one kernel on recent CUDA builds
+        return F.rms_norm(x, (x.size(-1),), weight, eps)
     x32 = x.float()
-    out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * weight.float()).to(x.dtype)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def _plain_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import models.gpt as gpt_module
 from models import GPTModel, gather_logits, gpt2_config, llama_config, llama_ffn_hidden_size
 from parallel3d import parallel_state as ps
 from parallel3d import tensor_parallel as tp
@@ -140,7 +141,7 @@ def test_forward_backward_and_reference(family):
     assert [layer.layer_number for layer in model.decoder.layers] == [1, 2]
 
 
-def test_attention_backends_masks_and_fusion_flags_agree():
+def test_attention_backends_masks_and_fusion_flags_agree(monkeypatch):
     for family in ("gpt2", "llama"):
         cfg = _config(family)
         ids, pos, labels, _ = _data(cfg)
@@ -152,6 +153,10 @@ def test_attention_backends_masks_and_fusion_flags_agree():
                               (dict(), causal), (plain, None), (dict(attention_backend="local", **plain), None)):
             out = GPTModel(_config(family, **variant))(ids, pos, attention_mask=mask, labels=labels)
             _close(out, ref, f"{family} {variant} mask={mask is not None}")
+        with monkeypatch.context() as m:  # torch < 2.4 has no F.rms_norm: the explicit formula
+            m.setattr(gpt_module, "_HAS_RMS_NORM", False)
+            m.setattr(gpt_module, "_SDPA_HAS_GQA", False)  # torch < 2.5: key/value heads repeated
+            _close(GPTModel(cfg)(ids, pos, labels=labels), ref, f"{family} torch<2.4 fallbacks")
         # A mask that hides more than the causal one changes the result the same way on both backends.
         mask = causal.clone().expand(B, 1, S, S).clone()
         mask[0, :, :, :3] = True
@@ -199,15 +204,15 @@ def test_pipeline_stages_chained_by_hand_match_full_model(family):
     full_params = dict(full.named_parameters())
     ids, pos, labels, w = _data(full_cfg)
 
-    splits = {  # (pipeline config, per-virtual-stage layer ranges)
-        "PP=2": (dict(pipeline_model_parallel_size=2), [range(0, 2), range(2, 4)]),
-        "PP=2 x VP=2": (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
-                        [range(i, i + 1) for i in range(4)]),
-        "PP=2 uneven": (dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1),
-                        [range(0, 1), range(1, 4)]),
+    layouts = {
+        "PP=2": dict(pipeline_model_parallel_size=2),
+        "PP=2 x VP=2": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        "PP=2 uneven": dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1),
     }
-    for what, (pp_kw, ranges) in splits.items():
+    for what, pp_kw in layouts.items():
         cfg = _config(family, num_layers=4, **pp_kw)
+        counts = cfg.layers_per_virtual_stage()  # virtual stage v = chunk * PP + rank, in model order
+        ranges = [range(sum(counts[:v]), sum(counts[:v + 1])) for v in range(len(counts))]
         last = len(ranges) - 1
         stages = [GPTModel(cfg, pre_process=k == 0, post_process=k == last, layer_numbers=r, vp_stage=k)
                   for k, r in enumerate(ranges)]
@@ -257,6 +262,11 @@ def test_presets_and_derived_fields():
     c = gpt2_config("124m")
     assert (c.ffn_hidden_size, c.activation, c.padded_vocab_size, c.untie_embeddings_and_output_weights) == \
         (3072, "gelu_tanh", 50304, False)
+    assert llama_config("tiny", num_layers=8, pipeline_model_parallel_size=2,
+                        virtual_pipeline_model_parallel_size=2).layers_per_virtual_stage() == [2, 2, 2, 2]
+    assert llama_config("tiny", num_layers=10, pipeline_model_parallel_size=3, virtual_pipeline_model_parallel_size=2,
+                        num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=4
+                        ).layers_per_virtual_stage() == [1, 2, 2, 1, 2, 2]
     assert gpt2_config("tiny", bf16=True).params_dtype == torch.bfloat16
     assert gpt2_config("tiny", params_dtype="fp16").params_dtype == torch.float16
     with pytest.warns(UserWarning, match="sequence_parallel=True has no effect"):
