@@ -34,6 +34,7 @@ a tied output layer on the last stage starts equal to the first stage's embeddin
 from __future__ import annotations
 
 import contextlib
+import functools
 import zlib
 from typing import Callable, Optional, Sequence, Union
 
@@ -71,9 +72,9 @@ _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 # did not exist when this file was written, so each public name is bound to its plain version
 # below; switching to the kernels = binding these names to parallel3d.fused's.
 
-def _plain_bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """GeLU (tanh approximation, as Megatron's fused kernel and HF GPT-2's gelu_new) of x + bias."""
-    return F.gelu(x if bias is None else x + bias, approximate="tanh")
+def _plain_bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "tanh") -> torch.Tensor:
+    """GeLU of x + bias; "tanh" is Megatron's fused formula and HF GPT-2's gelu_new, "none" is erf."""
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)
 
 
 def _plain_bias_swiglu(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -381,11 +382,14 @@ class SelfAttention(nn.Module):
 
 def _activation_fn(config: TransformerConfig) -> Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]:
     """act(x + bias), or act(gate) * up for a gated unit; the fused wrapper where one exists."""
+    fused = config.bias_activation_fusion
     if config.swiglu:
-        return bias_swiglu if config.bias_activation_fusion else _plain_bias_swiglu
-    if config.activation == "gelu_tanh" and not config.gated_linear_unit:
-        return bias_gelu if config.bias_activation_fusion else _plain_bias_gelu
-    act = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}[config.activation]
+        return bias_swiglu if fused else _plain_bias_swiglu
+    if config.activation in ("gelu", "gelu_tanh") and not config.gated_linear_unit:
+        return functools.partial(bias_gelu if fused else _plain_bias_gelu,
+                                 approximate="tanh" if config.activation == "gelu_tanh" else "none")
+    # The rest (GeGLU, a non-gated SiLU) has no kernel: plain PyTorch.
+    act = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "silu": F.silu}[config.activation]
 
     def plain(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         x = x if bias is None else x + bias
@@ -520,6 +524,9 @@ class GPTModel(nn.Module):
     - post_process without labels: logits [b, s, padded_vocab/tp] (see ``gather_logits``);
     - otherwise: hidden states [s, b, h] ([s/tp, b, h] under sequence parallelism), which the
       next stage receives through ``set_input_tensor``.
+
+    Dropout in training draws from the RNG tracker: call
+    ``tensor_parallel.model_parallel_cuda_manual_seed(seed)`` first (as in Megatron).
     """
 
     def __init__(
@@ -665,8 +672,7 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden_states
 
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden_states, weight=weight)  # [s, b, padded_vocab/tp]
+        logits, _ = self.output_layer(hidden_states, weight=self.shared_embedding_or_output_weight())  # [s, b, padded_vocab/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=cfg.vocab_size, group=self.tp_group)

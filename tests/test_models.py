@@ -69,12 +69,14 @@ def _reference_loss(model, cfg, ids, labels):
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.layernorm_epsilon) * P[prefix + ".weight"]
         return F.layer_norm(x, (H,), P[prefix + ".weight"], P[prefix + ".bias"], cfg.layernorm_epsilon)
 
-    def rope(x):  # x [b, n, s, d]; HF LLaMA's rotate_half
-        inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, d, 2).float() / d))
+    def rope(x):  # x [b, n, s, d]; HF LLaMA's rotate_half on the first rot channels (partial rotary)
+        rot = int(d * cfg.rotary_percent)
+        inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, rot, 2).float() / rot))
         freqs = torch.outer(torch.arange(s).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return x * emb.cos() + torch.cat((-x2, x1), dim=-1) * emb.sin()
+        x, x_pass = x[..., :rot], x[..., rot:]
+        x1, x2 = x[..., : rot // 2], x[..., rot // 2:]
+        return torch.cat((x * emb.cos() + torch.cat((-x2, x1), dim=-1) * emb.sin(), x_pass), dim=-1)
 
     x = P["embedding.word_embeddings.weight"][ids]
     if cfg.position_embedding_type == "learned_absolute":
@@ -101,11 +103,13 @@ def _reference_loss(model, cfg, ids, labels):
         x = x + F.linear(att, P[pre + "self_attention.linear_proj.weight"], P.get(pre + "self_attention.linear_proj.bias"))
         h = norm(x, pre + "pre_mlp_layernorm")
         u = F.linear(h, P[pre + "mlp.linear_fc1.weight"], P.get(pre + "mlp.linear_fc1.bias"))
+        act = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),  # HF GPT-2's gelu_new
+               "silu": F.silu}[cfg.activation]
         if cfg.gated_linear_unit:
-            gate, up = u.chunk(2, dim=-1)
-            u = F.silu(gate) * up
+            gate, up = u.chunk(2, dim=-1)  # HF LLaMA: act(gate_proj(x)) * up_proj(x)
+            u = act(gate) * up
         else:
-            u = F.gelu(u, approximate="tanh")  # HF GPT-2 gelu_new
+            u = act(u)
         x = x + F.linear(u, P[pre + "mlp.linear_fc2.weight"], P.get(pre + "mlp.linear_fc2.bias"))
     x = norm(x, "decoder.final_layernorm")
     out_w = P["output_layer.weight" if cfg.untie_embeddings_and_output_weights else "embedding.word_embeddings.weight"]
@@ -139,6 +143,23 @@ def test_forward_backward_and_reference(family):
     assert torch.all(emb[cfg.vocab_size:] == 0) and torch.all(emb.grad[cfg.vocab_size:] == 0), "padding rows"
     assert (model.shared_embedding_or_output_weight() is emb) == (family == "gpt2")
     assert [layer.layer_number for layer in model.decoder.layers] == [1, 2]
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("gpt2", dict(activation="gelu")),
+    ("gpt2", dict(activation="gelu", gated_linear_unit=True, ffn_hidden_size=96)),  # GeGLU
+    ("llama", dict(gated_linear_unit=False, ffn_hidden_size=96, add_qkv_bias=True)),
+    ("gpt2", dict(rotary_percent=0.5, position_embedding_type="rope", bias_activation_fusion=False)),
+])
+def test_other_variants_match_reference(family, overrides):
+    cfg = _config(family, **overrides)
+    model = GPTModel(cfg)
+    with torch.no_grad():  # non-zero biases so that their layout is checked too
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(std=0.1)
+    ids, pos, labels, _ = _data(cfg)
+    _close(model(ids, pos, labels=labels), _reference_loss(model, cfg, ids, labels), f"{family} {overrides}")
 
 
 def test_attention_backends_masks_and_fusion_flags_agree(monkeypatch):
