@@ -263,7 +263,14 @@ class ScheduleExecutor:
     def run(self) -> list[Any]:
         for step in self.schedule.steps(self.pipeline.stage):
             if isinstance(step, list):
-                self._communicate(step)
+                if self.forward_only:
+                    # The forward-only chain is not lockstep (a rank's send and its next receive
+                    # pair with different steps of its neighbours): one transfer at a time keeps
+                    # shape negotiation (headers first, then data) free of cycles.
+                    for action in step:
+                        self._communicate([action])
+                else:
+                    self._communicate(step)
                 continue
             self.stats.order.append(str(step))
             if step.kind == "F":
@@ -281,14 +288,24 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
-    """The forward half of a schedule (evaluation): each rank runs only its forwards.
+    """Forwards only (evaluation, generation): each rank runs, microbatch by microbatch,
+    its chunks in order, receiving each input just before and sending each output just after.
 
-    For one chunk per rank this is GPipe's forward phase; for interleaved
-    schedules the same lockstep order without the backwards.
+    With nothing to wait for in the other direction this lockstep chain cannot deadlock,
+    and unlike the training schedules it works for any number of microbatches (even one).
     """
-    from .schedules import build_schedule
-
     P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_model_chunks
-    base = build_schedule("no-pipelining" if P == 1 else "gpipe", P, M) if V == 1 else schedule
-    actions = [[a for a in rank_actions if a.kind in ("F", "SEND_F", "RECV_F")] for rank_actions in base.actions]
-    return Schedule(base.name + "/forward-only", P, M, V, actions)
+    last = P * V - 1
+    actions = []
+    for rank in range(P):
+        out = []
+        for mb in range(M):
+            for chunk in range(V):
+                v = chunk * P + rank
+                if v > 0:
+                    out.append(Action("RECV_F", mb, chunk, (rank - 1) % P))
+                out.append(Action("F", mb, chunk))
+                if v < last:
+                    out.append(Action("SEND_F", mb, chunk, (rank + 1) % P))
+        actions.append(out)
+    return Schedule(schedule.name + "/forward-only", P, M, V, actions)

@@ -18,7 +18,7 @@ from parallel3d import parallel_state
 
 from .executor import PipelineGroup, ScheduleExecutor, forward_only_schedule
 from .p2p import TensorSpec
-from .schedules import build_schedule
+from .schedules import Schedule, build_schedule
 from .simulate import validate
 
 
@@ -30,9 +30,11 @@ def default_schedule_name(pipeline_size: int, virtual_size: Optional[int]) -> st
 
 @functools.lru_cache(maxsize=64)
 def _checked_schedule(name: str, stages: int, microbatches: int, chunks: int, forward_only: bool):
+    if forward_only:  # any microbatch count works without backwards
+        return forward_only_schedule(Schedule(name, stages, microbatches, chunks, []))
     schedule = build_schedule(name, stages, microbatches, chunks)
     validate(schedule)
-    return forward_only_schedule(schedule) if forward_only else schedule
+    return schedule
 
 
 def forward_backward(
