@@ -1,0 +1,139 @@
+"""Everything that turns per-rank gradients into the gradients of the global batch (Megatron's function).
+
+Called once per iteration after the last backward (the pipeline executor calls
+``finalize_model_grads_func(model_chunks, num_tokens)``), before the optimizer step:
+
+1. each chunk's DP reduction: ``finish_grad_sync()``;
+2. sequence-parallel parameters (LayerNorm weights, row-parallel biases) saw only
+   their TP rank's sequence shard: sum their gradients over TP;
+3. the tied word embedding lives on the first and the last pipeline stage: sum
+   its two gradients over the embedding group (likewise the position embedding
+   over the position-embedding group, where that group spans several ranks);
+4. per-token loss: divide every gradient by the global number of tokens.
+
+With ZeRO-1 only this rank's shard of each bucket holds reduced gradients after
+step 1. Steps 2-3 stay correct: TP ranks (and, thanks to its own bucket, both
+copies of the shared embedding) have identical bucket layouts, so the elementwise
+sums over TP / the embedding group line up shard for shard.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel3d import parallel_state as ps
+from parallel3d.tensor_parallel import allreduce_sequence_parallel_gradients
+
+from .ddp import DistributedDataParallel
+
+
+def _main_grad(param: torch.Tensor) -> torch.Tensor:
+    grad = getattr(param, "main_grad", None)
+    return param.grad if grad is None else grad
+
+
+def _checked_chunks(model_chunks) -> list[DistributedDataParallel]:
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if not chunks:
+        raise ValueError("finalize_model_grads needs at least one model chunk")
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, DistributedDataParallel):
+            raise TypeError(f"model chunk {i} is a {type(chunk).__name__}; wrap it in DistributedDataParallel")
+    return chunks
+
+
+def _allreduce_layernorm_grads(chunks: Sequence[DistributedDataParallel], state: ps.ParallelState) -> None:
+    if state.tensor_model_parallel_size == 1:
+        return
+    params = [p for c in chunks for p in c.module.parameters()
+              if p.requires_grad and getattr(p, "sequence_parallel", False)]
+    if params:
+        allreduce_sequence_parallel_gradients(params, state.tensor_model_parallel_group)
+
+
+def _embedding_chunk(chunks: Sequence[DistributedDataParallel], state: ps.ParallelState) -> Optional[nn.Module]:
+    # The first stage's embedding lives in its first virtual chunk; the last stage's copy in its last one.
+    if state.is_pipeline_first_stage(ignore_virtual=True):
+        return chunks[0].module
+    if state.is_pipeline_last_stage(ignore_virtual=True):
+        return chunks[-1].module
+    return None
+
+
+def _allreduce_word_embedding_grads(chunks: Sequence[DistributedDataParallel], state: ps.ParallelState) -> None:
+    if state.pipeline_model_parallel_size == 1 or not state.is_rank_in_embedding_group():
+        return
+    group = state.embedding_group
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    module = _embedding_chunk(chunks, state)
+    if module is None or not getattr(module, "share_embeddings_and_output_weights", False):
+        return
+    weight = module.shared_embedding_or_output_weight()
+    if weight is None:
+        raise RuntimeError(
+            f"pipeline stage {state.pipeline_model_parallel_rank} sets share_embeddings_and_output_weights but "
+            "shared_embedding_or_output_weight() returned None"
+        )
+    dist.all_reduce(_main_grad(weight), group=group)
+
+
+def _allreduce_position_embedding_grads(chunks: Sequence[DistributedDataParallel],
+                                        state: ps.ParallelState) -> None:
+    group = state.position_embedding_group
+    if group is None or state.rank not in state.group_ranks.get("position_embedding", []):
+        return
+    if dist.get_world_size(group) == 1:
+        return
+    module = _embedding_chunk(chunks, state)
+    if module is None or not hasattr(module, "position_embeddings"):
+        return
+    dist.all_reduce(_main_grad(module.position_embeddings.weight), group=group)
+
+
+@torch.no_grad()
+def finalize_model_grads(model_chunks, num_tokens: Optional[torch.Tensor] = None,
+                         state: Optional[ps.ParallelState] = None) -> None:
+    """Finish the DP reduction and the TP/PP gradient fix-ups of every chunk (Megatron's contract).
+
+    ``num_tokens``: this rank's count of loss tokens (summed over its microbatches;
+    on the last pipeline stage, identical across TP ranks). It is broadcast from the
+    last stage over PP, summed over DP, and every gradient is divided by it; the
+    chunks must have been built with ``config.calculate_per_token_loss=True``.
+    The caller's tensor is not modified. ``state`` defaults to the global parallel state.
+    """
+    chunks = _checked_chunks(model_chunks)
+    if state is None and ps.model_parallel_is_initialized():
+        state = ps.get_parallel_state()
+    if num_tokens is not None:
+        bad = [i for i, c in enumerate(chunks) if not c.calculate_per_token_loss]
+        if bad:
+            raise ValueError(
+                f"num_tokens was given but model chunks {bad} were wrapped without "
+                "config.calculate_per_token_loss=True: their gradients are already averaged over DP"
+            )
+
+    for chunk in chunks:
+        chunk.finish_grad_sync()
+    if state is not None:
+        _allreduce_layernorm_grads(chunks, state)
+        _allreduce_word_embedding_grads(chunks, state)
+        _allreduce_position_embedding_grads(chunks, state)
+
+    if num_tokens is not None:
+        if not isinstance(num_tokens, torch.Tensor):
+            raise TypeError(f"num_tokens must be a tensor, got {type(num_tokens).__name__}")
+        total = num_tokens.detach().clone()
+        if state is not None and state.pipeline_model_parallel_size > 1:
+            last = state.pipeline_rank_to_global(state.pipeline_model_parallel_size - 1)
+            dist.broadcast(total, src=last, group=state.pipeline_model_parallel_group)
+        dp_group = chunks[0].dp_group
+        if dp_group is not None and chunks[0].dp_size > 1:
+            dist.all_reduce(total, group=dp_group)
+        count = float(total.item())
+        if count > 0:
+            for chunk in chunks:
+                chunk.scale_gradients(1.0 / count)
