@@ -50,7 +50,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.3", "einops", "safetensors", "numpy"],
     extras_require={
-        "test": ["pytest"],
+        "test": ["pytest", "tokenizers"],
         "plot": ["matplotlib"],
     },
     ext_modules=ext_modules,

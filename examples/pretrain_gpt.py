@@ -1,0 +1,263 @@
+"""Pretrain a GPT (GPT-2 or LLaMA family) under any TP x PP (x virtual) x DP layout.
+
+    torchrun --nproc-per-node 8 examples/pretrain_gpt.py \
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+        --num-layers-per-virtual-pipeline-stage 1 --num-layers 4 --hidden-size 128 \
+        --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 --global-batch-size 32 \
+        --train-iters 200 --lr 3e-3 --save ckpt
+
+Options are Megatron-LM's (``python examples/pretrain_gpt.py --help``). Without
+``--data-path`` it trains on the Python documentation that ships with Python
+(``pydoc_data.topics``), tokenized to bytes; nothing is downloaded. GPUs use
+nccl, CPUs gloo. ``--sample-prompt TEXT`` prints a greedy continuation from the
+trained model at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from models import GPTModel, TransformerConfig  # noqa: E402
+from models.gpt import gather_logits  # noqa: E402
+from parallel3d import parallel_state  # noqa: E402
+from parallel3d.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
+from parallel3d.data import (  # noqa: E402
+    IndexedDatasetBuilder,
+    best_fitting_dtype,
+    build_tokenizer,
+    build_train_valid_test_datasets,
+)
+from parallel3d.pipeline import get_forward_backward_func  # noqa: E402
+from parallel3d.pipeline.partition import partition_layers  # noqa: E402
+from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
+from parallel3d.training import device, initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
+
+
+def add_example_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("example")
+    g.add_argument("--sample-prompt", default=None, help="print a greedy continuation of this text at the end")
+    g.add_argument("--sample-tokens", type=int, default=64)
+
+
+# --------------------------------------------------------------------------------------- data
+
+
+def default_data_prefix(tokenizer, tokenizer_id: str) -> str:
+    """Tokenize the Python documentation topics once (rank 0) into a Megatron indexed dataset."""
+    cache = os.environ.get("PARALLEL3D_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "parallel3d"))
+    prefix = os.path.join(cache, f"pydoc_topics_{tokenizer_id}_text_document")
+    if (not dist.is_initialized() or dist.get_rank() == 0) and not os.path.exists(prefix + ".idx"):
+        from pydoc_data.topics import topics
+
+        os.makedirs(cache, exist_ok=True)
+        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=best_fitting_dtype(tokenizer.vocab_size))
+        # One document per paragraph: ~80 topics would leave the 1/1000 test split empty.
+        paragraphs = [p.strip() for name in sorted(topics) for p in topics[name].split("\n\n") if p.strip()]
+        for text in paragraphs:
+            tokens = tokenizer.tokenize(text) + [tokenizer.eod]
+            builder.add_document(tokens, [len(tokens)])
+        builder.finalize(prefix + ".idx")  # .bin/.idx appear by rename: never half-written
+        print_rank_0(f"built the default dataset {prefix} from pydoc_data.topics ({len(paragraphs)} documents)")
+    if dist.is_initialized():
+        dist.barrier()
+    return prefix
+
+
+def check_data_fits_vocab(data_path: list[str], vocab_size: int) -> None:
+    """A token file whose dtype can't hold the vocabulary is a wrong pairing: say so before training."""
+    from parallel3d.data import IndexedDataset
+    from parallel3d.data.blended_dataset import get_blend_from_list
+
+    prefixes, _ = get_blend_from_list(data_path)
+    for prefix in prefixes:
+        for path in (prefix + ".idx", prefix + ".bin"):
+            if not os.path.isfile(path):
+                raise ArgumentError(f"--data-path: missing file {path}")
+        dtype = IndexedDataset(prefix).dtype
+        import numpy as np
+
+        if np.iinfo(dtype).max < vocab_size - 1:
+            raise ArgumentError(f"--data-path {prefix}: tokens are stored as {np.dtype(dtype).name}, which cannot "
+                                f"hold the tokenizer's vocabulary of {vocab_size}; re-run tools/preprocess_data.py "
+                                "with this tokenizer")
+
+
+# --------------------------------------------------------------------------------------- model
+
+
+def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        vocab_size=args.vocab_size, seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
+        max_position_embeddings=args.max_position_embeddings,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu, activation="silu" if args.swiglu else "gelu",
+        add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, seed=args.seed,
+        tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method or "uniform",
+        recompute_num_layers=args.recompute_num_layers or 1, bf16=args.bf16, fp16=args.fp16,
+        attention_backend=args.attention_backend, gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        bias_activation_fusion=args.bias_gelu_fusion and args.bias_swiglu_fusion,
+        bias_dropout_fusion=args.bias_dropout_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
+        apply_rope_fusion=args.apply_rope_fusion,
+    )
+
+
+def layer_partition(args: argparse.Namespace) -> list[list[range]]:
+    """result[pp_rank][chunk]: the global layers of each (virtual) pipeline stage."""
+    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        return partition_layers(args.num_layers, pp, vp)
+    if vp != 1:
+        raise ArgumentError("--decoder-first/last-pipeline-num-layers need one chunk per pipeline rank")
+    inner = args.num_layers - (first or 0) - (last or 0)
+    middle = pp - (first is not None) - (last is not None)
+    if inner < 0 or (middle and inner % middle) or (not middle and inner):
+        raise ArgumentError(f"--num-layers ({args.num_layers}) minus the first/last stage layers ({first}, {last}) "
+                            f"does not split evenly over the {middle} other pipeline stages")
+    counts = [inner // middle if middle else 0] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return partition_layers(args.num_layers, pp, 1, layers_per_stage=counts)
+
+
+def model_provider(config: TransformerConfig, partition: list[list[range]], pre_process: bool, post_process: bool,
+                   vp_stage: int) -> GPTModel:
+    layers = partition[parallel_state.get_pipeline_model_parallel_rank()][vp_stage]
+    return GPTModel(config, pre_process=pre_process, post_process=post_process, layer_numbers=layers,
+                    vp_stage=vp_stage)
+
+
+# --------------------------------------------------------------------------------------- steps
+
+
+def loss_func(loss_mask: torch.Tensor, per_token: bool, output_tensor: torch.Tensor):
+    """Mean of the per-token losses over the tokens that count (Megatron's loss_func)."""
+    mask = loss_mask.float().reshape(-1)
+    total = (output_tensor.float().reshape(-1) * mask).sum()
+    count = mask.sum()
+    if per_token:
+        return total, count.to(torch.int64), {"lm loss": (total.detach(), count.detach())}
+    loss = total / count.clamp(min=1)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(per_token: bool, data_iterator, model):
+    """Megatron's contract: (output, loss_func). Middle stages read no data."""
+    dev = device()
+    batch = next(data_iterator) if (model.pre_process or model.post_process) else None
+    tokens = batch["tokens"].to(dev) if batch is not None and model.pre_process else None
+    position_ids = batch["position_ids"].to(dev) if batch is not None else None
+    labels = batch["labels"].to(dev) if batch is not None and model.post_process else None
+    output = model(tokens, position_ids, labels=labels)
+    loss_mask = batch["loss_mask"].to(dev) if labels is not None else None
+    return output, partial(loss_func, loss_mask, per_token)
+
+
+# --------------------------------------------------------------------------------------- sampling
+
+
+def greedy_sample(model: list, tokenizer, prompt: str, num_tokens: int, args: argparse.Namespace) -> Optional[str]:
+    """Greedy continuation through the pipeline (forward-only, one microbatch, no KV cache)."""
+    ids = tokenizer.tokenize(prompt)
+    forward_backward = get_forward_backward_func()
+    for chunk in model:
+        chunk.eval()
+    last_rank = dist.get_world_size() - 1
+    for _ in range(num_tokens):
+        context = torch.tensor([ids[-args.seq_length:]], device=device())
+        positions = torch.arange(context.size(1), device=device()).unsqueeze(0)
+        batch = {"tokens": context, "position_ids": positions}
+
+        def step(data_iterator, chunk):
+            data = next(data_iterator) if (chunk.pre_process or chunk.post_process) else None
+            out = chunk(data["tokens"] if chunk.pre_process else None,
+                        data["position_ids"] if data is not None else None)
+            return out, lambda logits: (logits.sum() * 0, {"next": gather_logits(logits[:, -1], args.vocab_size)})
+
+        outs = forward_backward(forward_step_func=step, data_iterator=[iter([batch]) for _ in model], model=model,
+                                num_microbatches=1, forward_only=True, variable_seq_lengths=True)
+        next_id = torch.zeros(1, dtype=torch.int64, device=device())
+        if is_last_rank():
+            next_id[0] = int(outs[0]["next"].argmax(-1).item())
+        dist.broadcast(next_id, src=last_rank)
+        ids.append(int(next_id.item()))
+    return tokenizer.detokenize(ids)
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv, extra_args_provider=add_example_args)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        validate_args(args, world_size)
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        args.vocab_size = args.vocab_size or tokenizer.vocab_size
+        if args.vocab_size < tokenizer.vocab_size:
+            raise ArgumentError(f"--vocab-size ({args.vocab_size}) is smaller than the tokenizer's "
+                                f"({tokenizer.vocab_size})")
+        args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args.make_vocab_size_divisible_by,
+                                                         args.tensor_model_parallel_size)
+        config = transformer_config_from_args(args)  # validates heads, groups, dims against TP
+        args.ffn_hidden_size = config.ffn_hidden_size
+        partition = layer_partition(args)
+        if args.data_path:
+            check_data_fits_vocab(args.data_path, args.vocab_size)
+    except (ArgumentError, ValueError, FileNotFoundError) as e:
+        # Every rank checks the same input and exits with the same message, before any collective.
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    initialize_distributed(args)
+    if not args.data_path:
+        tok_id = "byte" if args.tokenizer_type == "byte" else \
+            "hf" + hashlib.sha1(os.path.abspath(args.tokenizer_model).encode()).hexdigest()[:8]
+        args.data_path = [default_data_prefix(tokenizer, tok_id)]
+    print_rank_0(f"parallel3d: world {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
+                 f"{args.pipeline_model_parallel_size} (virtual {args.virtual_pipeline_model_parallel_size or 1}) x "
+                 f"DP {args.data_parallel_size}; {args.num_microbatches} microbatches of {args.micro_batch_size}; "
+                 f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
+
+    def datasets_provider(num_samples):
+        return build_train_valid_test_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
+                                               eod_token=tokenizer.eod, eod_mask_loss=args.eod_mask_loss)
+
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    result = pretrain(args, partial(model_provider, config, partition),
+                      partial(forward_step, args.calculate_per_token_loss), datasets_provider,
+                      model_config=config, layer_numbers=[list(r) for r in partition[rank]])
+    if args.sample_prompt:
+        text = greedy_sample(result["model"], tokenizer, args.sample_prompt, args.sample_tokens, args)
+        if is_last_rank():
+            print(f"sample (greedy, {args.sample_tokens} tokens):\n{text}", flush=True)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()

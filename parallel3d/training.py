@@ -1,0 +1,414 @@
+"""The training loop (Megatron's ``pretrain``), for any TP x PP (x virtual) x DP layout.
+
+    pretrain(args, model_provider, forward_step_func, datasets_provider)
+
+- ``model_provider(pre_process, post_process, vp_stage) -> nn.Module``: one model chunk;
+- ``forward_step_func(data_iterator, model) -> (output, loss_func)``: Megatron's contract;
+- ``datasets_provider(train_valid_test_num_samples) -> (train, valid, test)``.
+
+One iteration: zero the gradient buffers, run the pipeline schedule over
+``num_microbatches`` (gradients reduced across DP while backward runs), finalise
+gradients (tied embeddings, sequence-parallel norms), step the optimizer
+(clipping, fp16 loss scaling), step the LR schedule, log, evaluate, save.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel3d import checkpointing, parallel_state
+from parallel3d.data import build_pretraining_data_loader
+from parallel3d.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    OptimizerParamScheduler,
+    finalize_model_grads,
+    get_megatron_optimizer,
+)
+from parallel3d.pipeline import get_forward_backward_func
+from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
+
+# Dense bf16 peak per GPU, for MFU when --peak-tflops is not given (vendor datasheets, SXM parts).
+_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+
+
+def print_rank_0(*args: Any) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def is_last_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------- setup
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+    """Process group (nccl with GPUs, gloo without), model-parallel groups, seeds."""
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
+    )
+    # Megatron's seeds: one stream per pipeline stage, TP streams inside the tracker.
+    model_parallel_cuda_manual_seed(args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+
+
+def get_model(model_provider: Callable[..., torch.nn.Module], args: argparse.Namespace
+              ) -> list[DistributedDataParallel]:
+    """Build this rank's model chunks (one per virtual stage) and wrap each in DDP."""
+    vp = args.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for c in range(vp):
+        if args.virtual_pipeline_model_parallel_size is not None:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(c)
+        pre = parallel_state.is_pipeline_first_stage(vp_stage=c)
+        post = parallel_state.is_pipeline_last_stage(vp_stage=c)
+        chunks.append(model_provider(pre_process=pre, post_process=post, vp_stage=c))
+    if args.virtual_pipeline_model_parallel_size is not None:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.bf16 or args.fp16,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        **({"bucket_size": args.ddp_bucket_size} if args.ddp_bucket_size else {}),
+    )
+    wrapped = [DistributedDataParallel(chunk.to(device()), ddp_config) for chunk in chunks]
+    for w in wrapped:
+        w.broadcast_params()
+    return wrapped
+
+
+def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=params_dtype(args), loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+
+
+def get_optimizer_param_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamScheduler:
+    """Megatron counts the schedule in samples: one step advances it by the global batch."""
+    gbs = args.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
+        wsd_decay_steps=(args.lr_wsd_decay_iters or 0) * gbs or None,
+        lr_wsd_decay_style=args.lr_wsd_decay_style if args.lr_decay_style == "WSD" else None,
+    )
+
+
+# --------------------------------------------------------------------------------------- data
+
+
+def _cyclic(loader: Optional[torch.utils.data.DataLoader]) -> Optional[Iterator]:
+    if loader is None:
+        return None
+
+    def gen():
+        while True:
+            yield from loader
+
+    return gen()
+
+
+def build_data_iterators(datasets_provider: Callable, args: argparse.Namespace, consumed_train: int,
+                         consumed_valid: int, num_chunks: int):
+    """One iterator per model chunk (every chunk sees the same sequence of microbatches)."""
+    eval_runs = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    num_samples = (args.train_iters * args.global_batch_size, eval_runs * args.global_batch_size,
+                   args.eval_iters * args.global_batch_size)
+    train_ds, valid_ds, test_ds = datasets_provider(num_samples)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+
+    def loader(ds, consumed):
+        return build_pretraining_data_loader(ds, consumed, args.micro_batch_size, dp_rank, dp_size,
+                                             dataloader_type=args.dataloader_type, num_workers=args.num_workers,
+                                             seed=args.seed)
+
+    train = [iter(loader(train_ds, consumed_train)) if train_ds is not None else None for _ in range(num_chunks)]
+    valid = [_cyclic(loader(valid_ds, consumed_valid)) for _ in range(num_chunks)]
+    return train, valid
+
+
+# --------------------------------------------------------------------------------------- steps
+
+
+def _average_losses(losses: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean of each reported value over microbatches (last stage) and over DP; broadcast to all ranks."""
+    keys = sorted(losses[0]) if losses else []
+    vec = torch.tensor([float(sum(_as_float(d[k]) for d in losses) / max(len(losses), 1)) for k in keys]
+                       + [1.0 if losses else 0.0], dtype=torch.float64, device=device())
+    names = [None]
+    if dist.is_initialized():
+        # Only the last stage has losses: sum over the world and divide by how many reported.
+        if is_last_rank():
+            names = [keys]
+        dist.broadcast_object_list(names, src=dist.get_world_size() - 1)
+        keys = names[0]
+        if not losses:
+            vec = torch.zeros(len(keys) + 1, dtype=torch.float64, device=device())
+        dist.all_reduce(vec)
+    count = max(vec[-1].item(), 1.0)
+    return {k: vec[i].item() / count for i, k in enumerate(keys)}
+
+
+def _as_float(x: Any) -> float:
+    if isinstance(x, (tuple, list)):  # (sum, count) pairs, as Megatron's per-token losses
+        return float(x[0]) / max(float(x[1]), 1.0)
+    return float(x.detach().float().item() if torch.is_tensor(x) else x)
+
+
+def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list, optimizer: Any,
+               scheduler: Any, args: argparse.Namespace) -> tuple[dict[str, float], bool, Optional[float]]:
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward = get_forward_backward_func()
+    losses = forward_backward(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=args.num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        grad_scale_func=optimizer.scale_loss if (args.fp16 or args.bf16) else None,
+        finalize_model_grads_func=finalize_model_grads, pipeline_dtype=params_dtype(args),
+        deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    return _average_losses(losses), not update_successful, grad_norm
+
+
+def evaluate(forward_step_func: Callable, data_iterator: Sequence, model: list,
+             args: argparse.Namespace) -> dict[str, float]:
+    for chunk in model:
+        chunk.eval()
+    forward_backward = get_forward_backward_func()
+    totals: dict[str, float] = {}
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses = forward_backward(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True, pipeline_dtype=params_dtype(args),
+            )
+            for k, v in _average_losses(losses).items():
+                totals[k] = totals.get(k, 0.0) + v / args.eval_iters
+    for chunk in model:
+        chunk.train()
+    return totals
+
+
+# --------------------------------------------------------------------------------------- logging
+
+
+def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
+    """Model FLOPs of one iteration (Megatron's formula; causal attention counted as half)."""
+    h, L, s = args.hidden_size, args.num_layers, args.seq_length
+    heads = args.num_attention_heads
+    head_dim = args.kv_channels or h // heads
+    q = heads * head_dim
+    k = (args.num_query_groups or heads) * head_dim
+    f = args.ffn_hidden_size
+    g = 3 if args.swiglu else 2
+    vocab = args.padded_vocab_size
+    return 6 * batch_size * s * (L * (h * (q + 2 * k) + q * h + g * h * f) + h * vocab) + 6 * batch_size * s * s * L * q
+
+
+def peak_tflops(args: argparse.Namespace) -> Optional[float]:
+    if args.peak_tflops:
+        return args.peak_tflops
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, value in _PEAK_TFLOPS.items():
+            if key in name:
+                return value
+    return None
+
+
+class TrainingLogger:
+    """Interval logging: console (with a progress bar on a terminal), --log-json, TensorBoard."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.active = is_last_rank()  # the last rank holds the losses (Megatron logs there too)
+        self.json = open(args.log_json, "a") if (self.active and args.log_json) else None
+        self.tb = None
+        if self.active and args.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(args.tensorboard_dir)
+            except ImportError:
+                print("tensorboard is not installed: --tensorboard-dir ignored (pip install tensorboard)")
+        self.tty = self.active and sys.stdout.isatty() and not args.no_progress_bar
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.iters = 0
+        self.skipped = 0
+        self.sums: dict[str, float] = {}
+
+    def record(self, loss: dict[str, float], skipped: bool) -> None:
+        self.iters += 1
+        self.skipped += int(skipped)
+        for k, v in loss.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.json:
+            self.json.write(json.dumps(record) + "\n")
+            self.json.flush()
+        if self.tb:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "iteration":
+                    self.tb.add_scalar(k, v, record["iteration"])
+
+    def log(self, iteration: int, lr: float, grad_norm: Optional[float], loss_scale: Optional[float]) -> None:
+        args = self.args
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self.t0
+        per_iter = elapsed / max(self.iters, 1)
+        tokens_per_s = args.global_batch_size * args.seq_length / per_iter
+        tflops = num_floating_point_operations(args, args.global_batch_size) / per_iter / args.world_size / 1e12
+        peak = peak_tflops(args)
+        if torch.cuda.is_available():
+            mem_gb = torch.cuda.max_memory_allocated() / 2 ** 30
+        else:
+            mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+        loss = {k: v / max(self.iters, 1) for k, v in self.sums.items()}
+        record = {"iteration": iteration, "loss": loss.get("lm loss", next(iter(loss.values()), float("nan"))),
+                  "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                  "tokens_per_s_per_gpu": tokens_per_s / args.world_size, "tflops_per_gpu": tflops,
+                  "mfu": tflops / peak if peak else None, "iteration_time_s": per_iter,
+                  "memory_gb": mem_gb, "skipped_iterations": self.skipped, "loss_scale": loss_scale}
+        if self.active:
+            self.write(record)
+            bar = ""
+            if self.tty:
+                done = iteration / args.train_iters
+                bar = "[" + "#" * int(30 * done) + "." * (30 - int(30 * done)) + "] "
+            mfu = f" | MFU {100 * record['mfu']:.1f}%" if record["mfu"] else ""
+            gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
+            print(f"{bar}iteration {iteration:6d}/{args.train_iters} | loss {record['loss']:.4f} | lr {lr:.3e} | "
+                  f"grad norm {gn} | {per_iter * 1000:.0f} ms/it | {tokens_per_s:,.0f} tokens/s | "
+                  f"{tflops:.1f} TFLOP/s/GPU{mfu} | mem {mem_gb:.2f} GB"
+                  + (f" | skipped {self.skipped}" if self.skipped else ""), flush=True)
+        self.reset()
+
+    def log_eval(self, iteration: int, losses: dict[str, float]) -> None:
+        if not self.active:
+            return
+        loss = losses.get("lm loss", next(iter(losses.values()), float("nan")))
+        ppl = math.exp(min(loss, 20.0))
+        print(f"validation at iteration {iteration} | lm loss {loss:.4f} | perplexity {ppl:.2f}", flush=True)
+        self.write({"iteration": iteration, "eval_loss": loss, "eval_perplexity": ppl})
+
+    def close(self) -> None:
+        if self.json:
+            self.json.close()
+        if self.tb:
+            self.tb.close()
+
+
+# --------------------------------------------------------------------------------------- the loop
+
+
+def pretrain(
+    args: argparse.Namespace,
+    model_provider: Callable[..., torch.nn.Module],
+    forward_step_func: Callable,
+    datasets_provider: Callable,
+    model_config: Any = None,
+    layer_numbers: Optional[Sequence[Sequence[int]]] = None,
+) -> dict[str, Any]:
+    """Train for ``args.train_iters`` iterations; returns the model, optimizer and last losses.
+
+    Expects ``initialize_distributed(args)`` and ``validate_args`` to have run.
+    """
+    model = get_model(model_provider, args)
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
+    scheduler = get_optimizer_param_scheduler(optimizer, args)
+
+    iteration, consumed_train, consumed_valid = 0, 0, 0
+    if args.load:
+        iteration, meta = checkpointing.load_checkpoint(
+            args.load, model, None if args.no_load_optim else optimizer, scheduler, model_config=model_config,
+            load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng,
+        )
+        if iteration:
+            consumed_train = meta["extra"].get("consumed_train_samples", iteration * args.global_batch_size)
+            consumed_valid = meta["extra"].get("consumed_valid_samples", 0)
+            print_rank_0(f"resumed from {args.load} at iteration {iteration} ({consumed_train} samples consumed)")
+        else:
+            print_rank_0(f"no checkpoint in {args.load}: starting from scratch")
+
+    train_iter, valid_iter = build_data_iterators(datasets_provider, args, consumed_train, consumed_valid, len(model))
+    logger = TrainingLogger(args)
+    history: list[dict[str, float]] = []
+
+    def save(it: int) -> None:
+        checkpointing.save_checkpoint(
+            args.save, it, model, optimizer, scheduler, model_config=model_config, args=args,
+            extra={"consumed_train_samples": consumed_train, "consumed_valid_samples": consumed_valid},
+            layer_numbers=layer_numbers,
+        )
+        print_rank_0(f"saved checkpoint of iteration {it} to {args.save}")
+
+    last_saved = None
+    for chunk in model:
+        chunk.train()
+    while iteration < args.train_iters:
+        loss, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler, args)
+        iteration += 1
+        consumed_train += args.global_batch_size
+        history.append(loss)
+        logger.record(loss, skipped)
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            scale = optimizer.get_loss_scale() if args.fp16 else None
+            logger.log(iteration, optimizer.param_groups[0]["lr"], grad_norm,
+                       float(scale) if scale is not None else None)
+        if any(v is not None for v in valid_iter) and args.eval_interval and iteration % args.eval_interval == 0:
+            logger.log_eval(iteration, evaluate(forward_step_func, valid_iter, model, args))
+            consumed_valid += args.eval_iters * args.global_batch_size
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save(iteration)
+            last_saved = iteration
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            break
+    if args.save and last_saved != iteration:
+        save(iteration)
+    logger.close()
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iteration": iteration,
+            "losses": history}
