@@ -104,7 +104,7 @@ def _plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def _plain_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """RoPE on t [s, b, n, d] with freqs [s, b or 1, 1, rot] (Megatron's / HF LLaMA's rotate-half).
+    """RoPE on t [s, b, n, d] with freqs [s, 1, 1, rot] (Megatron's / HF LLaMA's rotate-half).
 
     Only the first ``rot`` channels of each head rotate (rotary_percent < 1 leaves the rest).
     """
@@ -239,10 +239,13 @@ class LanguageModelEmbedding(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE angles [s, b or 1, 1, rot] for the given positions (Megatron's freqs, HF's inv_freq).
+    """RoPE angles [s, 1, 1, rot] for positions 0..s-1 (Megatron's freqs, HF LLaMA's inv_freq).
 
-    No parameters and no buffer: the inverse frequencies are recomputed in fp32 on each call
-    (rot/2 numbers), so a cast of the model to bf16 cannot degrade them.
+    Like Megatron, the angles depend on the sequence length only, not on position_ids: every
+    pipeline stage computes the same angles without being sent the batch (middle stages read
+    no data), so stages cannot disagree. No parameters and no buffer: the inverse frequencies
+    are recomputed in fp32 on each call (rot/2 numbers), so a cast of the model to bf16
+    cannot degrade them.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -250,14 +253,10 @@ class RotaryEmbedding(nn.Module):
         self.dim = config.rotary_dim
         self.base = config.rotary_base
 
-    def forward(self, position_ids: Optional[torch.Tensor], seq_len: int, device: torch.device) -> torch.Tensor:
+    def forward(self, seq_len: int, device: torch.device) -> torch.Tensor:
         inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim))
-        if position_ids is None:
-            pos = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None]  # [s, 1]
-        else:
-            pos = position_ids.t().to(device=device, dtype=torch.float32)  # [s, b]
-        freqs = pos[..., None] * inv_freq  # [s, b|1, rot/2]
-        return torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # [s, rot/2]
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
 
 # --- attention ----------------------------------------------------------------------------------
@@ -524,6 +523,9 @@ class GPTModel(nn.Module):
     - post_process without labels: logits [b, s, padded_vocab/tp] (see ``gather_logits``);
     - otherwise: hidden states [s, b, h] ([s/tp, b, h] under sequence parallelism), which the
       next stage receives through ``set_input_tensor``.
+    ``position_ids`` [b, s] feed the learned position embedding (first stage; None = 0..s-1);
+    RoPE ignores them (Megatron's behaviour), so other stages may pass None.
+    ``attention_mask``: None = causal; else bool [b or 1, 1, s, s], True where NOT allowed.
 
     Dropout in training draws from the RNG tracker: call
     ``tensor_parallel.model_parallel_cuda_manual_seed(seed)`` first (as in Megatron).
@@ -666,7 +668,7 @@ class GPTModel(nn.Module):
             hidden_states = self.input_tensor
         rotary_pos_emb = None
         if cfg.position_embedding_type == "rope":
-            rotary_pos_emb = self.rotary_pos_emb(position_ids, s, hidden_states.device)
+            rotary_pos_emb = self.rotary_pos_emb(s, hidden_states.device)
 
         hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb)
         if not self.post_process:

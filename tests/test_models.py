@@ -245,7 +245,8 @@ def test_pipeline_stages_chained_by_hand_match_full_model(family):
         inputs, outputs = [None], []
         for k, stage in enumerate(stages):
             stage.set_input_tensor(inputs[-1])
-            out = stage(ids if k == 0 else None, pos, labels=labels if k == last else None)
+            # Later stages get no position_ids (Megatron's middle stages read no data): RoPE must not need them.
+            out = stage(ids if k == 0 else None, pos if k == 0 else None, labels=labels if k == last else None)
             outputs.append(out)
             if k < last:
                 assert out.shape == (S, B, full_cfg.hidden_size)
