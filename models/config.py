@@ -5,7 +5,9 @@ arguments where Core has none), so porting a Megatron script is mechanical.
 ``__post_init__`` fills the derived defaults (as Megatron does: ffn_hidden_size,
 kv_channels, num_query_groups, max_position_embeddings, params_dtype) and
 rejects inconsistent settings with an error that names the numbers, before any
-parameter is allocated.
+parameter is allocated. The derived fields are then ordinary values: a
+``dataclasses.replace(config, hidden_size=...)`` keeps the old kv_channels and
+ffn_hidden_size, so change the model's shape through the constructor or a preset.
 
 Presets: ``gpt2_config(size)`` (LayerNorm, gelu-tanh MLP, learned positions,
 biases, tied embeddings: HF GPT-2) and ``llama_config(size)`` (RMSNorm, SwiGLU,
