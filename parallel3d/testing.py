@@ -21,6 +21,7 @@ run in parallel.
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -73,7 +74,10 @@ def _child(fn: Callable, rank: int, world_size: int, store_dir: str, args: Seque
             world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # Tensors would travel as shared-memory handles that die with this process: send bytes.
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -155,4 +159,6 @@ def run_distributed(
         if missing:
             lines.append(f"--- ranks {missing} were killed (still running when the test was stopped)")
         raise DistributedTestError("\n".join(lines))
-    return [outcome[r][1] for r in range(world_size)]
+    import torch
+
+    return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]

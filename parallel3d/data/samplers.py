@@ -194,6 +194,9 @@ def build_pretraining_data_loader(
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=batch_sampler,
+        # Its own generator: starting an epoch must not draw from the global RNG, or dropout
+        # after a resume (which builds fresh loaders) would differ from an uninterrupted run.
+        generator=torch.Generator().manual_seed(seed),
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,

@@ -167,7 +167,9 @@ class DistributedDataParallel(nn.Module):
                 "already reduced: run every microbatch's backward but the last inside no_sync(), and call "
                 "zero_grad_buffer() before the next iteration's first backward"
             )
-        if param.grad is not None and not param.grad_added_to_main_grad:
+        # zero_out_wgrad: a fused wgrad wrote into main_grad AND other uses of the weight (a tied
+        # embedding) left their gradients in param.grad on top of zeros: add those.
+        if param.grad is not None and (not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False)):
             param.main_grad.add_(param.grad)
         param.grad = None
         # Judged per backward: a fused wgrad kernel sets it again if it wrote into main_grad.

@@ -22,4 +22,4 @@ from .mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from .random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-from .utils import divide
+from .utils import divide, merge_tensor_shards, split_tensor_for_rank

@@ -140,8 +140,13 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
             wgrad_accumulate(total_x_2d, grad_output_2d, weight.main_grad)
             if hasattr(weight, "grad_added_to_main_grad"):
-                # The DDP hook expects a gradient to fire on; it is told not to add it.
-                grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+                # The DDP hook needs a gradient to fire on, and is told not to add it. A weight with
+                # other uses (a tied embedding) gets zeros: autograd sums its other gradients into
+                # this tensor, and the hook must then add them (Megatron's zero_out_wgrad).
+                if getattr(weight, "zero_out_wgrad", False):
+                    grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+                else:
+                    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
                 weight.grad_added_to_main_grad = True
             else:
                 grad_weight = None
@@ -231,11 +236,14 @@ class ColumnParallelLinear(nn.Module):
             if self.weight is None:
                 raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs a weight in forward")
             weight = self.weight
-        elif weight.shape != (self.output_size_per_partition, self.input_size):
-            raise ValueError(
-                f"supplied weight has shape {tuple(weight.shape)}, expected "
-                f"{(self.output_size_per_partition, self.input_size)}"
-            )
+        else:
+            if weight.shape != (self.output_size_per_partition, self.input_size):
+                raise ValueError(
+                    f"supplied weight has shape {tuple(weight.shape)}, expected "
+                    f"{(self.output_size_per_partition, self.input_size)}"
+                )
+            # A supplied weight (tied embedding) has gradients from elsewhere too: see zero_out_wgrad.
+            weight.zero_out_wgrad = True
         bias = self.bias if not self.skip_bias_add else None
         out = linear_with_grad_accumulation_and_async_allreduce(
             x, weight, bias, self.gradient_accumulation_fusion, self.allreduce_dgrad,

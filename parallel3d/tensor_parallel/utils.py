@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from parallel3d import parallel_state
@@ -34,3 +35,30 @@ def vocab_range(global_vocab_size: int, rank: int, world_size: int) -> tuple[int
     """[first, last) vocabulary ids held by ``rank`` when the vocab is split evenly."""
     per_rank = divide(global_vocab_size, world_size, "padded vocabulary size")
     return rank * per_rank, (rank + 1) * per_rank
+
+
+def split_tensor_for_rank(full: torch.Tensor, partition_dim: int, stride: int, rank: int,
+                          world_size: int, padded_size: Optional[int] = None) -> torch.Tensor:
+    """This rank's shard of a full (TP=1) tensor, as the TP layers lay it out.
+
+    The partition dim is seen as ``stride`` blocks (e.g. SwiGLU's [gate; up]) and
+    rank r holds its slice of every block. ``padded_size`` zero-pads the dim first
+    (a vocabulary padded for TP).
+    """
+    if padded_size is not None and full.size(partition_dim) < padded_size:
+        pad_shape = list(full.shape)
+        pad_shape[partition_dim] = padded_size - full.size(partition_dim)
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=partition_dim)
+    if world_size == 1:
+        return full
+    block = divide(full.size(partition_dim), stride * world_size, "partitioned dimension")
+    pieces = torch.split(full, block, dim=partition_dim)
+    return torch.cat(pieces[rank::world_size], dim=partition_dim)
+
+
+def merge_tensor_shards(shards: list[torch.Tensor], partition_dim: int, stride: int) -> torch.Tensor:
+    """Inverse of :func:`split_tensor_for_rank`: the full tensor from every rank's shard."""
+    if len(shards) == 1:
+        return shards[0]
+    blocks = [s.chunk(stride, dim=partition_dim) for s in shards]
+    return torch.cat([blk[i] for i in range(stride) for blk in blocks], dim=partition_dim)

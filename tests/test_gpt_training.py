@@ -1,0 +1,277 @@
+"""GPT training end to end: every layout trains exactly like one process; resume is exact.
+
+The reference is the same ``pretrain`` (examples/pretrain_gpt.py's model, forward
+step and loss) run in this pytest process with world size 1; one launch of 8
+gloo processes then trains the same model, seed and data under TP/SP/PP/VPP/DP
+mixes (both families, ZeRO-1 in some) and compares the per-iteration losses,
+the gradient norms and every weight after 3 Adam steps.
+"""
+import importlib
+import io
+import os
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from functools import partial
+
+import pytest
+import torch
+
+from parallel3d import checkpointing
+from parallel3d import parallel_state as ps
+from parallel3d.arguments import parse_args, validate_args
+from parallel3d.tensor_parallel import split_tensor_for_rank, vocab_size_with_padding
+from parallel3d.testing import run_distributed
+from parallel3d.training import pretrain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+pretrain_gpt = importlib.import_module("pretrain_gpt")
+
+VOCAB, SEQ, MBS, GBS, ITERS = 300, 16, 2, 16, 3
+FAMILIES = {
+    "gpt2": ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4"],
+    "llama": ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+              "--num-query-groups", "2", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+              "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights"],
+}
+# (family, TP, PP, V, SP, extra flags); world size 8, DP = 8 / (TP * PP)
+LAYOUTS = [
+    ("gpt2", 2, 2, 2, False, []),
+    ("gpt2", 2, 2, 1, True, ["--use-distributed-optimizer"]),
+    ("gpt2", 1, 4, 2, False, []),
+    ("gpt2", 4, 1, 1, True, []),
+    ("gpt2", 1, 1, 1, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
+    ("llama", 2, 2, 2, True, ["--overlap-grad-reduce"]),
+    ("llama", 1, 2, 2, False, ["--use-distributed-optimizer"]),
+    ("llama", 2, 4, 1, False, []),
+]
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Deterministic random token sequences in GPTDataset's item format."""
+
+    def __init__(self, n: int, seed: int = 7):
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        t = self.tokens[i]
+        return {"tokens": t[:-1], "labels": t[1:], "loss_mask": torch.ones(SEQ),
+                "position_ids": torch.arange(SEQ)}
+
+
+def _args(family, tp=1, pp=1, vp=None, sp=False, extra=(), world=1, iters=ITERS, dropout=0.0):
+    argv = FAMILIES[family] + [
+        "--seq-length", str(SEQ), "--micro-batch-size", str(MBS), "--global-batch-size", str(GBS),
+        "--train-iters", str(iters), "--lr", "1e-2", "--lr-warmup-iters", "1", "--min-lr", "1e-3",
+        "--clip-grad", "0.5", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "16",
+        "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout), "--log-interval", "1000",
+        "--eval-interval", "1000", "--no-progress-bar", "--seed", "5",
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+    ] + (["--virtual-pipeline-model-parallel-size", str(vp)] if vp and vp > 1 else []) \
+      + (["--sequence-parallel"] if sp else []) + list(extra)
+    args = validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), world)
+    args.padded_vocab_size = vocab_size_with_padding(VOCAB, args.make_vocab_size_divisible_by, tp)
+    return args
+
+
+def _train(args, dataset_size=GBS * ITERS * 2):
+    config = pretrain_gpt.transformer_config_from_args(args)
+    args.ffn_hidden_size = config.ffn_hidden_size
+    partition = pretrain_gpt.layer_partition(args)
+    from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(args.seed + 100 * ps.get_pipeline_model_parallel_rank())
+    with redirect_stdout(io.StringIO()):
+        result = pretrain(args, partial(pretrain_gpt.model_provider, config, partition),
+                          partial(pretrain_gpt.forward_step, False),
+                          lambda n: (TokenDataset(dataset_size), None, None), model_config=config)
+    return result
+
+
+def _full_name(chunk, name):
+    """The single-process parameter name of a chunk's parameter."""
+    if name.startswith("decoder.layers."):
+        local, rest = name[len("decoder.layers."):].split(".", 1)
+        return f"decoder.layers.{chunk.global_layer_index(int(local))}.{rest}"
+    if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"
+    return name
+
+
+def _reference(family):
+    args = _args(family)
+    result = _train(args)
+    model = result["model"][0].module
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return result["losses"], weights
+
+
+def _sweep(rank, world_size, refs):
+    done = []
+    for family, tp, pp, vp, sp, extra in LAYOUTS:
+        args = _args(family, tp, pp, vp, sp, extra, world=world_size)
+        ps.initialize_model_parallel(tp, pp, args.virtual_pipeline_model_parallel_size)
+        where = f"[{family} TP={tp} PP={pp} V={vp} SP={sp} {' '.join(extra)}]"
+        try:
+            result = _train(args)
+            ref_losses, ref_weights = refs[family]
+            for it, (got, want) in enumerate(zip(result["losses"], ref_losses)):
+                for key in want:
+                    err = abs(got[key] - want[key])
+                    assert err <= 1e-5 * max(1.0, abs(want[key])), f"{where} iteration {it + 1} {key}: {got} vs {want}"
+            tp_rank = ps.get_tensor_model_parallel_rank()
+            for chunk in result["model"]:
+                module = chunk.module
+                for name, p in module.named_parameters():
+                    full = ref_weights[_full_name(module, name)]
+                    if getattr(p, "tensor_model_parallel", False):
+                        want = split_tensor_for_rank(full, p.partition_dim, p.partition_stride, tp_rank, tp,
+                                                     padded_size=p.size(p.partition_dim) * tp)
+                    else:
+                        want = full
+                    err = (p.detach() - want).abs().max().item()
+                    assert err <= 2e-5, f"{where} weight {name} differs from the single process by {err:.3g}"
+        finally:
+            ps.destroy_model_parallel()
+        done.append(where)
+    return done
+
+
+def test_gpt_layouts_train_like_a_single_process():
+    refs = {family: _reference(family) for family in FAMILIES}
+    results = run_distributed(_sweep, 8, args=(refs,), timeout=600)
+    assert all(len(r) == len(LAYOUTS) for r in results)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _resume(rank, world_size, save_dir):
+    extra = ["--use-distributed-optimizer"]
+    out = {}
+    for name, load in (("straight", None), ("first", None), ("resumed", save_dir)):
+        args = _args("gpt2", 1, 2, 2, False, extra, world=world_size, iters=6, dropout=0.1)
+        if name == "first":  # a job of 6 iterations stopped after 3 (same LR schedule as the straight run)
+            args.save, args.save_interval, args.exit_interval = save_dir, 3, 3
+        if load:
+            args.load = load
+        ps.initialize_model_parallel(1, 2, 2)
+        try:
+            result = _train(args)
+            out[name] = [d["lm loss"] for d in result["losses"]]
+        finally:
+            ps.destroy_model_parallel()
+    return out
+
+
+def test_resume_is_exact(tmp_path):
+    """6 iterations straight equal 3, save, resume, 3 more: loss by loss (dropout on, ZeRO-1, PP=2 V=2, DP=2)."""
+    results = run_distributed(_resume, 4, args=(str(tmp_path / "ckpt"),), timeout=300)
+    for r in results:
+        assert r["first"] == r["straight"][:3]
+        assert r["resumed"] == r["straight"][3:], (r["resumed"], r["straight"])
+    assert (tmp_path / "ckpt" / checkpointing.LATEST_FILE).read_text() == "3"
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    args = _args("gpt2", iters=2)
+    result = _train(args)
+    model, opt, sched = result["model"], result["optimizer"], result["scheduler"]
+    save_dir = str(tmp_path)
+    checkpointing.save_checkpoint(save_dir, 2, model, opt, sched, extra={"consumed_train_samples": 32})
+    before = {n: p.detach().clone() for n, p in model[0].named_parameters()}
+
+    real_replace = os.replace
+
+    def killed_at_rename(src, dst):
+        if src.endswith(".tmp") and os.path.isdir(src):
+            raise KeyboardInterrupt("killed before the rename")
+        return real_replace(src, dst)
+
+    with torch.no_grad():
+        for p in model[0].parameters():
+            p.add_(1.0)
+    monkeypatch.setattr(os, "replace", killed_at_rename)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointing.save_checkpoint(save_dir, 4, model, opt, sched)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert checkpointing.read_latest_iteration(save_dir) == 2
+    iteration, meta = checkpointing.load_checkpoint(save_dir, model, opt, sched)
+    assert iteration == 2 and meta["extra"]["consumed_train_samples"] == 32
+    for n, p in model[0].named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    # the next save of that iteration succeeds over the debris
+    checkpointing.save_checkpoint(save_dir, 4, model, opt, sched)
+    assert checkpointing.read_latest_iteration(save_dir) == 4
+
+
+def test_checkpoint_errors_name_the_problem(tmp_path):
+    args = _args("gpt2", iters=2)
+    result = _train(args)
+    model = result["model"]
+    save_dir = str(tmp_path)
+    checkpointing.save_checkpoint(save_dir, 1, model, model_config=pretrain_gpt.transformer_config_from_args(args))
+    other = pretrain_gpt.transformer_config_from_args(_args("llama"))
+    with pytest.raises(checkpointing.CheckpointError, match="holds another model: num_layers|holds another model"):
+        checkpointing.load_checkpoint(save_dir, model, model_config=other)
+    os.remove(os.path.join(save_dir, "iter_0000001", "mp_rank_00_000", "model.safetensors"))
+    with pytest.raises(checkpointing.CheckpointError, match="missing shard .*mp_rank_00_000"):
+        checkpointing.load_checkpoint(save_dir, model)
+    with open(os.path.join(save_dir, checkpointing.LATEST_FILE), "w") as f:
+        f.write("garbage")
+    with pytest.raises(checkpointing.CheckpointError, match="corrupt"):
+        checkpointing.load_checkpoint(save_dir, model)
+    with pytest.raises(checkpointing.CheckpointError, match="does not exist"):
+        checkpointing.load_checkpoint(str(tmp_path / "nowhere"), model)
+
+
+# ---------------------------------------------------------------- bad arguments
+
+
+def _main_error(argv, world_size, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    err = io.StringIO()
+    with redirect_stderr(err), pytest.raises(SystemExit) as info:
+        pretrain_gpt.main(argv)
+    assert info.value.code == 2
+    return err.getvalue()
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--tensor-model-parallel-size", "3"], 4, r"world size \(4\) is not divisible by --tensor-model-parallel-size \(3\)"),
+    (["--num-layers", "6", "--pipeline-model-parallel-size", "4"], 4, r"--num-layers \(6\) is not divisible"),
+    (["--global-batch-size", "10", "--micro-batch-size", "4"], 1, r"--global-batch-size \(10\) is not divisible"),
+    (["--num-attention-heads", "6", "--tensor-model-parallel-size", "4"], 4, r"num_attention_heads \(6\)"),
+    (["--data-path", "/nonexistent/corpus_text_document"], 1, r"missing file /nonexistent/corpus_text_document.idx"),
+])
+def test_bad_arguments_exit_with_a_clear_message(argv, world, message, monkeypatch):
+    import re
+
+    text = _main_error(argv, world, monkeypatch)
+    assert re.search(message, text), text
+
+
+def test_data_dtype_too_small_for_the_vocabulary(tmp_path, monkeypatch):
+    import numpy as np
+
+    from parallel3d.data import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "tiny_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint8)
+    builder.add_document([1, 2, 3], [3])
+    builder.finalize(prefix + ".idx")
+    text = _main_error(["--data-path", prefix, "--vocab-size", "300"], 1, monkeypatch)
+    assert "tokens are stored as uint8, which cannot hold the tokenizer's vocabulary of 300" in text
+
+
+def test_every_rank_reports_a_bad_layout():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "examples", "pretrain_gpt.py"), "--pipeline-model-parallel-size", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: world size (2) is not divisible") == 2, proc.stderr[-2000:]
