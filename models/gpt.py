@@ -261,6 +261,29 @@ class RotaryEmbedding(nn.Module):
 
 # --- attention ----------------------------------------------------------------------------------
 
+class InferenceParams:
+    """Key/value cache for incremental decoding (Megatron-Core's ``InferenceParams``).
+
+    Pass the same object to every forward of a generation (all model chunks of a rank share it):
+    each SelfAttention keeps the rotated keys and the values of the positions seen so far in
+    ``key_value_memory_dict[layer_number]`` = (k, v), each [max_sequence_length, max_batch_size,
+    query groups per TP rank, kv_channels], so a decode step computes only the new tokens.
+    A forward of s tokens writes positions [sequence_len_offset, sequence_len_offset + s);
+    the caller advances ``sequence_len_offset`` by the tokens it keeps. Tokens written past the
+    ones kept (e.g. padding) are never seen by earlier positions (causal) and are overwritten
+    by the next step.
+    """
+
+    def __init__(self, max_batch_size: int, max_sequence_length: int):
+        if max_batch_size < 1 or max_sequence_length < 1:
+            raise ValueError(f"max_batch_size ({max_batch_size}) and max_sequence_length ({max_sequence_length}) "
+                             "must be >= 1")
+        self.max_batch_size = max_batch_size
+        self.max_sequence_length = max_sequence_length
+        self.sequence_len_offset = 0
+        self.key_value_memory_dict: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 class DotProductAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v for this rank's heads: q [s, b, np, d], k/v [s, b, ng, d] -> [s, b, np*d].
 
@@ -358,7 +381,7 @@ class SelfAttention(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                rotary_pos_emb: Optional[torch.Tensor]):
+                rotary_pos_emb: Optional[torch.Tensor], inference_params: Optional[InferenceParams] = None):
         cfg = self.config
         mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng/tp * (np/ng + 2) * d]
         s, b = mixed.shape[:2]
@@ -369,12 +392,38 @@ class SelfAttention(nn.Module):
         if rotary_pos_emb is not None:
             rope = apply_rotary_pos_emb if cfg.apply_rope_fusion else _plain_apply_rotary_pos_emb
             q, k = rope(q, rotary_pos_emb), rope(k, rotary_pos_emb)
+        if inference_params is not None:
+            k, v, attention_mask = self._update_kv_cache(k, v, attention_mask, inference_params)
         if cfg.recompute_granularity == "selective" and self.training:
             # Keep only q, k, v: the s x s scores and probabilities are recomputed in backward.
             ctx = tensor_parallel.checkpoint(self.core_attention, q, k, v, attention_mask)
         else:
             ctx = self.core_attention(q, k, v, attention_mask)
         return self.linear_proj(ctx)
+
+    def _update_kv_cache(self, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                         inference_params: InferenceParams):
+        """Store this step's k/v [s, b, ng, d] at the cache offset; return all cached k/v and the mask."""
+        offset, (s, b) = inference_params.sequence_len_offset, k.shape[:2]
+        end = offset + s
+        if end > inference_params.max_sequence_length or b > inference_params.max_batch_size:
+            raise ValueError(f"the KV cache holds {inference_params.max_sequence_length} positions x "
+                             f"{inference_params.max_batch_size} sequences; this step needs positions up to {end} "
+                             f"for {b} sequence(s)")
+        cache = inference_params.key_value_memory_dict.get(self.layer_number)
+        if cache is None:
+            shape = (inference_params.max_sequence_length, inference_params.max_batch_size) + tuple(k.shape[2:])
+            cache = (k.new_empty(shape), v.new_empty(shape))
+            inference_params.key_value_memory_dict[self.layer_number] = cache
+        cache_k, cache_v = cache
+        cache_k[offset:end, :b] = k
+        cache_v[offset:end, :b] = v
+        if offset > 0:
+            if attention_mask is not None:
+                raise ValueError("an explicit attention_mask is not supported with a KV-cache offset > 0")
+            # query i sits at position offset + i: it sees keys 0 .. offset + i (True = not allowed)
+            attention_mask = torch.ones(s, end, dtype=torch.bool, device=k.device).triu(offset + 1)[None, None]
+        return cache_k[:end, :b], cache_v[:end, :b], attention_mask
 
 
 # --- MLP ----------------------------------------------------------------------------------------
@@ -447,10 +496,11 @@ class TransformerLayer(nn.Module):
             return self.bias_dropout_add(out, bias, residual, cfg.hidden_dropout, self.training)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                rotary_pos_emb: Optional[torch.Tensor]) -> torch.Tensor:
+                rotary_pos_emb: Optional[torch.Tensor],
+                inference_params: Optional[InferenceParams] = None) -> torch.Tensor:
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         normed = self.input_layernorm(hidden_states)
-        attention = self.self_attention(normed, attention_mask, rotary_pos_emb)
+        attention = self.self_attention(normed, attention_mask, rotary_pos_emb, inference_params)
         hidden_states = self._residual(attention, normed if post_ln_residual else hidden_states)
         normed = self.pre_mlp_layernorm(hidden_states)
         return self._residual(self.mlp(normed), normed if post_ln_residual else hidden_states)
@@ -474,17 +524,18 @@ class TransformerBlock(nn.Module):
             self.final_layernorm = None
 
     def _run(self, start: int, end: int) -> Callable:
-        def run(hidden_states, attention_mask, rotary_pos_emb):
+        def run(hidden_states, attention_mask, rotary_pos_emb, inference_params=None):
             for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb)
+                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb, inference_params)
             return hidden_states
 
         return run
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                rotary_pos_emb: Optional[torch.Tensor]) -> torch.Tensor:
+                rotary_pos_emb: Optional[torch.Tensor],
+                inference_params: Optional[InferenceParams] = None) -> torch.Tensor:
         cfg, n = self.config, len(self.layers)
-        if cfg.recompute_granularity == "full" and self.training:
+        if cfg.recompute_granularity == "full" and self.training and inference_params is None:
             k = cfg.recompute_num_layers
             if cfg.recompute_method == "uniform":  # every group of k layers keeps only its input
                 for start in range(0, n, k):
@@ -498,7 +549,7 @@ class TransformerBlock(nn.Module):
                     else:
                         hidden_states = self.layers[i](hidden_states, attention_mask, rotary_pos_emb)
         else:
-            hidden_states = self._run(0, n)(hidden_states, attention_mask, rotary_pos_emb)
+            hidden_states = self._run(0, n)(hidden_states, attention_mask, rotary_pos_emb, inference_params)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
@@ -526,6 +577,9 @@ class GPTModel(nn.Module):
     ``position_ids`` [b, s] feed the learned position embedding (first stage; None = 0..s-1);
     RoPE ignores them (Megatron's behaviour), so other stages may pass None.
     ``attention_mask``: None = causal; else bool [b or 1, 1, s, s], True where NOT allowed.
+    ``inference_params``: an :class:`InferenceParams` KV cache for incremental decoding; the
+    inputs are then the tokens at positions sequence_len_offset + 0..s-1 (learned positions
+    and RoPE angles start there), attending to every cached position before them.
 
     Dropout in training draws from the RNG tracker: call
     ``tensor_parallel.model_parallel_cuda_manual_seed(seed)`` first (as in Megatron).
@@ -657,20 +711,25 @@ class GPTModel(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
+        inference_params: Optional[InferenceParams] = None,
     ) -> torch.Tensor:
         cfg = self.config
         b, s = self._check_inputs(input_ids, position_ids, attention_mask, labels, loss_mask)
+        offset = inference_params.sequence_len_offset if inference_params is not None else 0
         if self.pre_process:
             if position_ids is None and cfg.position_embedding_type == "learned_absolute":
-                position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+                if offset + s > cfg.max_position_embeddings:
+                    raise ValueError(f"positions up to {offset + s} exceed max_position_embeddings "
+                                     f"({cfg.max_position_embeddings})")
+                position_ids = torch.arange(offset, offset + s, device=input_ids.device).expand(b, s)
             hidden_states = self.embedding(input_ids, position_ids)
         else:
             hidden_states = self.input_tensor
         rotary_pos_emb = None
         if cfg.position_embedding_type == "rope":
-            rotary_pos_emb = self.rotary_pos_emb(s, hidden_states.device)
+            rotary_pos_emb = self.rotary_pos_emb(offset + s, hidden_states.device)[offset:]
 
-        hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb)
+        hidden_states = self.decoder(hidden_states, attention_mask, rotary_pos_emb, inference_params)
         if not self.post_process:
             return hidden_states
 
