@@ -189,7 +189,9 @@ def _as_float(x: Any) -> float:
 
 
 def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list, optimizer: Any,
-               scheduler: Any, args: argparse.Namespace) -> tuple[dict[str, float], bool, Optional[float]]:
+               scheduler: Any, args: argparse.Namespace, stats: Optional[list] = None
+               ) -> tuple[dict[str, float], bool, Optional[float]]:
+    """One iteration; ``stats`` (a list) receives the executor's per-action timings."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -201,6 +203,7 @@ def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list
         finalize_model_grads_func=finalize_model_grads, pipeline_dtype=params_dtype(args),
         deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        stats=stats, time_actions=stats is not None,
     )
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:

@@ -20,6 +20,7 @@ deallocation; its autograd graph stays).
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -54,11 +55,16 @@ class PipelineGroup:
 
 @dataclass
 class ExecutorStats:
-    """What the run held, for tests and the benchmark: peak activations in flight per chunk set."""
+    """What the run held and, with ``time_actions``, how long each compute action took.
+
+    ``action_times``: (action, start, end) in seconds from the step's start; on CUDA
+    read from events after one synchronize at the end, so timing does not perturb the run.
+    """
 
     inflight: int = 0
     peak_inflight: int = 0
     order: list[str] = field(default_factory=list)
+    action_times: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 def _as_tuple(x: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> Tensors:
@@ -122,6 +128,7 @@ class ScheduleExecutor:
         calculate_per_token_loss: bool = False,
         deallocate_pipeline_outputs: bool = False,
         device: Optional[torch.device] = None,
+        time_actions: bool = False,
     ):
         if len(model) != schedule.num_model_chunks:
             raise ValueError(f"schedule {schedule.name!r} expects {schedule.num_model_chunks} model chunk(s) "
@@ -151,6 +158,7 @@ class ScheduleExecutor:
         self.losses: list[Any] = []
         self.num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         self.stats = ExecutorStats()
+        self.time_actions = time_actions
         # the microbatch of each chunk's last backward: only that one reduces gradients over DP
         self.last_backward = {a.chunk: a.microbatch for a in schedule.actions[pipeline.stage] if a.kind == "B"}
 
@@ -260,7 +268,27 @@ class ScheduleExecutor:
                         deallocate_output_tensor(out)
 
     # ------------------------------------------------------------------ main loop
+    def _mark(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _collect_times(self, marks: list) -> None:
+        if not marks:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            origin = marks[0][1]
+            elapsed = lambda e: origin.elapsed_time(e) / 1e3  # noqa: E731 - ms between events
+        else:
+            origin = marks[0][1]
+            elapsed = lambda t: t - origin  # noqa: E731
+        self.stats.action_times = [(name, elapsed(a), elapsed(b)) for name, a, b in marks]
+
     def run(self) -> list[Any]:
+        marks = []
         for step in self.schedule.steps(self.pipeline.stage):
             if isinstance(step, list):
                 if self.forward_only:
@@ -273,10 +301,14 @@ class ScheduleExecutor:
                     self._communicate(step)
                 continue
             self.stats.order.append(str(step))
+            start = self._mark() if self.time_actions else None
             if step.kind == "F":
                 self._forward(step.microbatch, step.chunk)
             elif not self.forward_only:
                 self._backward(step.microbatch, step.chunk)
+            if self.time_actions:
+                marks.append((str(step), start, self._mark()))
+        self._collect_times(marks)
         _set_virtual_rank(0)
         return self.losses if self._is_last(self.schedule.num_model_chunks - 1) else []
 

@@ -22,6 +22,10 @@ from .schedules import Schedule, build_schedule
 from .simulate import validate
 
 
+# Megatron's forward_backward_func takes these too; they change nothing here.
+_MEGATRON_ONLY_ARGS = {"decoder_seq_length", "collect_non_loss_data", "first_val_step", "adjust_tensor_shapes_fn"}
+
+
 def default_schedule_name(pipeline_size: int, virtual_size: Optional[int]) -> str:
     if pipeline_size == 1:
         return "no-pipelining"
@@ -56,7 +60,8 @@ def forward_backward(
     deallocate_pipeline_outputs: Optional[bool] = None,
     pipeline: Optional[PipelineGroup] = None,
     stats: Optional[list] = None,
-    **unused: Any,
+    time_actions: bool = False,
+    **megatron_only: Any,
 ) -> list[Any]:
     """Run forward and backward of ``num_microbatches`` through the pipeline; return the last stage's losses.
 
@@ -67,6 +72,9 @@ def forward_backward(
     stage's output tensor, e.g. it is a residual add; off by default as in Megatron-Core).
     ``finalize_model_grads_func(model, num_tokens)`` runs after the schedule.
     """
+    unknown = set(megatron_only) - _MEGATRON_ONLY_ARGS
+    if unknown:
+        raise TypeError(f"forward_backward got unexpected arguments {sorted(unknown)}")
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     pipeline = pipeline or PipelineGroup.from_state()
     config = getattr(chunks[0], "config", None)
@@ -110,7 +118,7 @@ def forward_backward(
         pipeline=pipeline, recv_spec=recv_spec, variable_seq_lengths=variable_seq_lengths,
         forward_only=forward_only, grad_scale_func=grad_scale_func,
         calculate_per_token_loss=calculate_per_token_loss,
-        deallocate_pipeline_outputs=deallocate_pipeline_outputs,
+        deallocate_pipeline_outputs=deallocate_pipeline_outputs, time_actions=time_actions,
     )
     losses = executor.run()
     if stats is not None:

@@ -1,0 +1,233 @@
+"""GPT training throughput of parallel3d, comparable line by line with ../shared/anchors/megatron_gpt_bench.py.
+
+    torchrun --standalone --nproc-per-node 2 bench/gpt_bench.py --preset gpt-1.3b --global-batch-size 32
+    torchrun --standalone --nproc-per-node 2 bench/gpt_bench.py --preset gpt-1.3b --pp 2 --schedule-timing
+
+Same presets, synthetic data, bf16 parameters with fp32 gradient buffers and fp32
+master weights, Adam, and the same FLOPs formula (Megatron's: causal attention
+counted as half) as the Megatron-Core anchor, so the RESULT_JSON lines compare
+directly. The training step is parallel3d.training.train_step, the one the
+pretraining script runs.
+
+Extras:
+- ``--schedule-timing``: time every forward/backward of the pipeline schedule
+  (CUDA events), then compare the measured step and bubble with the simulator's
+  prediction from those per-stage times (the pipeline benchmark);
+- ``--profile-overlap``: profile one iteration and report how much NCCL kernel
+  time ran beside compute kernels (the DP overlap observation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from functools import partial
+
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+import pretrain_gpt  # noqa: E402
+
+from parallel3d import parallel_state  # noqa: E402
+from parallel3d.arguments import parse_args, validate_args  # noqa: E402
+from parallel3d.distributed import get_megatron_optimizer  # noqa: E402
+from parallel3d.pipeline import build_schedule, simulate  # noqa: E402
+from parallel3d.pipeline.forward_backward import default_schedule_name  # noqa: E402
+from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
+from parallel3d.training import (  # noqa: E402
+    device,
+    get_model,
+    get_optimizer_param_scheduler,
+    initialize_distributed,
+    num_floating_point_operations,
+    optimizer_config_from_args,
+    peak_tflops,
+    train_step,
+)
+
+PRESETS = {  # the Megatron anchor's presets
+    "tiny": ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",
+             "--vocab-size", "50257", "--micro-batch-size", "4"],
+    "gpt-1.3b": ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length",
+                 "2048", "--vocab-size", "50257", "--micro-batch-size", "4"],
+    "llama-1b": ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32",
+                 "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "8192",
+                 "--seq-length", "2048", "--vocab-size", "128256", "--micro-batch-size", "4",
+                 "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                 "--disable-bias-linear", "--untie-embeddings-and-output-weights"],
+}
+
+
+def bench_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="gpt-1.3b")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--schedule", default=None, help="override: gpipe, 1f1b, interleaved-1f1b")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--schedule-timing", action="store_true")
+    p.add_argument("--profile-overlap", action="store_true")
+    p.add_argument("--fp32", action="store_true", help="fp32 instead of bf16 (CPU smoke runs)")
+    p.add_argument("--json-out", default=None)
+    bench, rest = p.parse_known_args(argv)
+    argv = PRESETS[bench.preset] + [
+        "--tensor-model-parallel-size", str(bench.tp), "--pipeline-model-parallel-size", str(bench.pp),
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-4", "--train-iters", "1000",
+        "--log-interval", "1000000", "--clip-grad", "1.0",
+    ] + ([] if bench.fp32 else ["--bf16"]) \
+      + (["--virtual-pipeline-model-parallel-size", str(bench.vpp)] if bench.vpp else []) + rest
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), world)
+    args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args.make_vocab_size_divisible_by,
+                                                     args.tensor_model_parallel_size)
+    return bench, args
+
+
+def synthetic_iterator(args: argparse.Namespace):
+    """Random tokens in the dataset's item format, generated on the device (no loader in the timing)."""
+    g = torch.Generator(device=device()).manual_seed(1234 + parallel_state.get_data_parallel_rank())
+    b, s = args.micro_batch_size, args.seq_length
+    positions = torch.arange(s, device=device()).expand(b, s)
+    mask = torch.ones(b, s, device=device())
+    while True:
+        t = torch.randint(0, args.vocab_size, (b, s + 1), device=device(), generator=g)
+        yield {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": mask, "position_ids": positions}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def nccl_overlap(prof) -> dict:
+    """Fraction of NCCL kernel time that ran while a compute kernel ran (from the profiler's kernel list)."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
+    comp = sorted((e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower())
+    merged = []
+    for a, b in comp:  # union of compute intervals
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    total = sum(b - a for a, b in comm)
+    overlapped = 0.0
+    for a, b in comm:
+        for c, d in merged:
+            overlapped += max(0.0, min(b, d) - max(a, c))
+    return {"nccl_kernel_us": total, "nccl_beside_compute_us": overlapped,
+            "nccl_overlap_fraction": overlapped / total if total else None, "nccl_kernels": len(comm)}
+
+
+def main(argv=None) -> None:
+    bench, args = bench_args(argv)
+    initialize_distributed(args)
+    config = pretrain_gpt.transformer_config_from_args(args)
+    args.ffn_hidden_size = config.ffn_hidden_size
+    partition = pretrain_gpt.layer_partition(args)
+    model = get_model(partial(pretrain_gpt.model_provider, config, partition), args)
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
+    scheduler = get_optimizer_param_scheduler(optimizer, args)
+    iterators = [synthetic_iterator(args) for _ in model]
+    forward_step = partial(pretrain_gpt.forward_step, False)
+    if bench.schedule:
+        import parallel3d.training as training
+
+        from parallel3d.pipeline import forward_backward as fb
+
+        training.get_forward_backward_func = lambda: partial(fb, schedule=bench.schedule)
+
+    times = []
+    for i in range(bench.warmup + bench.iters):
+        sync()
+        t0 = time.perf_counter()
+        train_step(forward_step, iterators, model, optimizer, scheduler, args)
+        sync()
+        if i >= bench.warmup:
+            times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    world = args.world_size
+    tokens = args.global_batch_size * args.seq_length
+    tflops = num_floating_point_operations(args, args.global_batch_size) / step / world / 1e12
+    peak = peak_tflops(args)
+    result = {
+        "framework": "parallel3d", "preset": bench.preset, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "world_size": world, "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
+        "vpp": args.virtual_pipeline_model_parallel_size, "dp": args.data_parallel_size,
+        "sequence_parallel": args.sequence_parallel, "global_batch_size": args.global_batch_size,
+        "micro_batch_size": args.micro_batch_size, "num_microbatches": args.num_microbatches,
+        "schedule": bench.schedule or default_schedule_name(args.pipeline_model_parallel_size,
+                                                            args.virtual_pipeline_model_parallel_size),
+        "distributed_optimizer": args.use_distributed_optimizer, "overlap_grad_reduce": args.overlap_grad_reduce,
+        "bucket_size": args.ddp_bucket_size, "iteration_time_s": step,
+        "iteration_time_spread_s": [min(times), max(times)], "tokens_per_s_per_gpu": tokens / step / world,
+        "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None,
+    }
+
+    if bench.schedule_timing and args.pipeline_model_parallel_size > 1:
+        stats: list = []
+        sync()
+        t0 = time.perf_counter()
+        train_step(forward_step, iterators, model, optimizer, scheduler, args, stats=stats)
+        sync()
+        timed_step = time.perf_counter() - t0
+        mine = stats[0].action_times if stats else []
+        costs: dict = {}
+        for name, a, b in mine:
+            kind, rest = name[0], name[1:]
+            chunk = int(rest.split(".")[1])
+            costs.setdefault((chunk, kind), []).append(b - a)
+        gathered = [None] * dist.get_world_size(parallel_state.get_pipeline_model_parallel_group())
+        summary = {k: statistics.median(v) for k, v in costs.items()}
+        dist.all_gather_object(gathered, summary, group=parallel_state.get_pipeline_model_parallel_group())
+        P = args.pipeline_model_parallel_size
+        V = args.virtual_pipeline_model_parallel_size or 1
+        stage_costs = {(r, c): (gathered[r][(c, "F")], gathered[r][(c, "B")]) for r in range(P) for c in range(V)}
+        sched = build_schedule(result["schedule"], P, args.num_microbatches, V)
+        predicted = simulate(sched, stage_costs=stage_costs)
+        busy = sum(b - a for _, a, b in mine)
+        schedule_span = max(b for _, _, b in mine) if mine else 0.0
+        all_busy = [None] * P
+        all_span = [None] * P
+        dist.all_gather_object(all_busy, busy, group=parallel_state.get_pipeline_model_parallel_group())
+        dist.all_gather_object(all_span, schedule_span, group=parallel_state.get_pipeline_model_parallel_group())
+        makespan = max(all_span)
+        result.update({
+            "schedule_step_s": timed_step, "measured_schedule_makespan_s": makespan,
+            "measured_bubble_overhead": (P * makespan - sum(all_busy)) / sum(all_busy),
+            "predicted_makespan_s": predicted.makespan, "predicted_bubble_overhead": predicted.bubble_overhead,
+            "formula_bubble_overhead": (P - 1) / (V * args.num_microbatches),
+            "stage_costs_ms": {f"{r}.{c}": [round(1e3 * x, 2) for x in v] for (r, c), v in stage_costs.items()},
+        })
+
+    if bench.profile_overlap:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            train_step(forward_step, iterators, model, optimizer, scheduler, args)
+            sync()
+        result.update(nccl_overlap(prof))
+
+    if dist.get_rank() == dist.get_world_size() - 1:
+        print("RESULT_JSON: " + json.dumps(result), flush=True)
+        if bench.json_out:
+            with open(bench.json_out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
