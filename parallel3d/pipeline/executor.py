@@ -275,20 +275,20 @@ class ScheduleExecutor:
             return event
         return time.perf_counter()
 
-    def _collect_times(self, marks: list) -> None:
+    def _collect_times(self, origin, marks: list) -> None:
+        """Times relative to the start of run(), which every stage enters together."""
         if not marks:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            origin = marks[0][1]
             elapsed = lambda e: origin.elapsed_time(e) / 1e3  # noqa: E731 - ms between events
         else:
-            origin = marks[0][1]
             elapsed = lambda t: t - origin  # noqa: E731
         self.stats.action_times = [(name, elapsed(a), elapsed(b)) for name, a, b in marks]
 
     def run(self) -> list[Any]:
         marks = []
+        origin = self._mark() if self.time_actions else None
         for step in self.schedule.steps(self.pipeline.stage):
             if isinstance(step, list):
                 if self.forward_only:
@@ -308,7 +308,7 @@ class ScheduleExecutor:
                 self._backward(step.microbatch, step.chunk)
             if self.time_actions:
                 marks.append((str(step), start, self._mark()))
-        self._collect_times(marks)
+        self._collect_times(origin, marks)
         _set_virtual_rank(0)
         return self.losses if self._is_last(self.schedule.num_model_chunks - 1) else []
 

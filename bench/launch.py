@@ -1,0 +1,48 @@
+"""Run one benchmark configuration under torchrun and return its RESULT_JSON (shared by the bench drivers)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OURS = os.path.join(ROOT, "bench", "gpt_bench.py")
+# The Megatron-Core runner from ../shared/anchors, copied next to the carried wheels for the GPU machine.
+MEGATRON = next((p for p in (os.path.join(ROOT, ".whl", "anchors", "megatron_gpt_bench.py"),
+                             os.path.join(ROOT, "..", "shared", "anchors", "megatron_gpt_bench.py"))
+                 if os.path.exists(p)), None)
+
+
+def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: str,
+        timeout: int = 300) -> Optional[dict]:
+    """torchrun ``script`` with ``args``; the parsed RESULT_JSON, or None (the log says why)."""
+    if script is None:
+        print(f"{name}: runner not found, skipped", flush=True)
+        return None
+    os.makedirs(log_dir, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script] + args
+    log = os.path.join(log_dir, f"{name}.log")
+    with open(log, "w") as f:
+        try:
+            subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            f.write(f"\nTIMEOUT after {timeout}s\n")
+    for line in open(log):
+        if line.startswith("RESULT_JSON: "):
+            result = json.loads(line[len("RESULT_JSON: "):])
+            print(f"{name}: {tokens_per_gpu(result):,.0f} tokens/s/GPU", flush=True)
+            return result
+    print(f"{name}: FAILED, see {log}:\n" + "".join(open(log).readlines()[-12:]), flush=True)
+    return None
+
+
+def tokens_per_gpu(result: Optional[dict]) -> float:
+    return float(result.get("tokens_per_s_per_gpu", 0.0)) if result else float("nan")
+
+
+def iteration_time(result: Optional[dict]) -> float:
+    if not result:
+        return float("nan")
+    return float(result.get("iteration_time_s") or result.get("iter_time_median_s"))
