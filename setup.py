@@ -50,7 +50,9 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.3", "einops", "safetensors", "numpy"],
     extras_require={
-        "test": ["pytest", "tokenizers"],
+        # transformers (no torch dependency of its own) builds the reference models of
+        # tests/test_checkpoint_tools.py; tools/convert_checkpoint.py itself does not need it
+        "test": ["pytest", "tokenizers", "transformers"],
         "plot": ["matplotlib"],
     },
     ext_modules=ext_modules,

@@ -10,7 +10,7 @@ Options are Megatron-LM's (``python examples/pretrain_gpt.py --help``). Without
 ``--data-path`` it trains on the Python documentation that ships with Python
 (``pydoc_data.topics``), tokenized to bytes; nothing is downloaded. GPUs use
 nccl, CPUs gloo. ``--sample-prompt TEXT`` prints a greedy continuation from the
-trained model at the end.
+trained model at the end (parallel3d.generation, as tools/generate.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import hashlib
 import os
 import sys
 from functools import partial
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,6 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from models import GPTModel, TransformerConfig  # noqa: E402
-from models.gpt import gather_logits  # noqa: E402
 from parallel3d import parallel_state  # noqa: E402
 from parallel3d.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
 from parallel3d.data import (  # noqa: E402
@@ -36,7 +34,7 @@ from parallel3d.data import (  # noqa: E402
     build_tokenizer,
     build_train_valid_test_datasets,
 )
-from parallel3d.pipeline import get_forward_backward_func  # noqa: E402
+from parallel3d.generation import generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
 from parallel3d.training import device, initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
@@ -179,32 +177,17 @@ def forward_step(per_token: bool, data_iterator, model):
 # --------------------------------------------------------------------------------------- sampling
 
 
-def greedy_sample(model: list, tokenizer, prompt: str, num_tokens: int, args: argparse.Namespace) -> Optional[str]:
-    """Greedy continuation through the pipeline (forward-only, one microbatch, no KV cache)."""
-    ids = tokenizer.tokenize(prompt)
-    forward_backward = get_forward_backward_func()
-    for chunk in model:
-        chunk.eval()
-    last_rank = dist.get_world_size() - 1
-    for _ in range(num_tokens):
-        context = torch.tensor([ids[-args.seq_length:]], device=device())
-        positions = torch.arange(context.size(1), device=device()).unsqueeze(0)
-        batch = {"tokens": context, "position_ids": positions}
-
-        def step(data_iterator, chunk):
-            data = next(data_iterator) if (chunk.pre_process or chunk.post_process) else None
-            out = chunk(data["tokens"] if chunk.pre_process else None,
-                        data["position_ids"] if data is not None else None)
-            return out, lambda logits: (logits.sum() * 0, {"next": gather_logits(logits[:, -1], args.vocab_size)})
-
-        outs = forward_backward(forward_step_func=step, data_iterator=[iter([batch]) for _ in model], model=model,
-                                num_microbatches=1, forward_only=True, variable_seq_lengths=True)
-        next_id = torch.zeros(1, dtype=torch.int64, device=device())
-        if is_last_rank():
-            next_id[0] = int(outs[0]["next"].argmax(-1).item())
-        dist.broadcast(next_id, src=last_rank)
-        ids.append(int(next_id.item()))
-    return tokenizer.detokenize(ids)
+def sample_continuation(model: list, tokenizer, config: TransformerConfig, prompt: str,
+                        num_tokens: int) -> tuple[str, int]:
+    """(text, tokens generated): a greedy continuation through the pipeline with parallel3d.generation
+    (KV cache; the code path of tools/generate.py). A learned position table bounds prompt +
+    continuation: the prompt keeps its last tokens that fit and the continuation stops at the table's end."""
+    ids = tokenizer.tokenize(prompt) or [tokenizer.eod]
+    if config.position_embedding_type == "learned_absolute":
+        ids = ids[-config.max_position_embeddings:]
+        num_tokens = min(num_tokens, config.max_position_embeddings + 1 - len(ids))
+    tokens, _ = generate(model, ids, num_tokens)
+    return tokenizer.detokenize(tokens), num_tokens
 
 
 # --------------------------------------------------------------------------------------- main
@@ -246,14 +229,14 @@ def main(argv=None) -> dict:
         return build_train_valid_test_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
                                                eod_token=tokenizer.eod, eod_mask_loss=args.eod_mask_loss)
 
-    rank = parallel_state.get_pipeline_model_parallel_rank()
     result = pretrain(args, partial(model_provider, config, partition),
                       partial(forward_step, args.calculate_per_token_loss), datasets_provider,
-                      model_config=config, layer_numbers=[list(r) for r in partition[rank]])
+                      model_config=config, layer_numbers=[[list(r) for r in chunks] for chunks in partition])
     if args.sample_prompt:
-        text = greedy_sample(result["model"], tokenizer, args.sample_prompt, args.sample_tokens, args)
+        text, generated = sample_continuation(result["model"], tokenizer, config, args.sample_prompt,
+                                              args.sample_tokens)
         if is_last_rank():
-            print(f"sample (greedy, {args.sample_tokens} tokens):\n{text}", flush=True)
+            print(f"sample (greedy, {generated} tokens):\n{text}", flush=True)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return result

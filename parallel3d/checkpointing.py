@@ -154,12 +154,13 @@ def save_checkpoint(
     model_config: Any = None,
     args: Any = None,
     extra: Optional[dict[str, Any]] = None,
-    layer_numbers: Optional[Sequence[Sequence[int]]] = None,
+    layer_numbers: Optional[Sequence[Sequence[Sequence[int]]]] = None,
 ) -> str:
     """Save everything needed to resume exactly; returns the checkpoint directory.
 
     Collective over all ranks. ``extra`` (e.g. consumed samples) goes into the
-    metadata. ``layer_numbers[c]`` = the global layer indices of chunk c (for tools).
+    metadata. ``layer_numbers[pp_rank][chunk]`` = the global layer indices of every model chunk
+    (rank 0 writes the metadata, so pass the whole table; tools check it against the shard files).
     """
     rank = _global_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()

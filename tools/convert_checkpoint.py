@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Convert checkpoints: Hugging Face GPT-2 / LLaMA <-> parallel3d, and parallel3d between layouts.
+
+    python tools/convert_checkpoint.py --loader hf --saver parallel3d --load-dir llama-hf \\
+        --save-dir ckpt --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+    python tools/convert_checkpoint.py --loader parallel3d --saver parallel3d --load-dir ckpt \\
+        --save-dir ckpt-tp4 --target-tensor-parallel-size 4 --target-pipeline-parallel-size 1
+    python tools/convert_checkpoint.py --loader parallel3d --saver hf --load-dir ckpt --save-dir out-hf
+
+(Megatron's tools/checkpoint/convert.py arguments.) ``hf`` reads a local directory
+(config.json + model.safetensors / pytorch_model.bin, sharded or not) of a GPT2LMHeadModel
+or LlamaForCausalLM and writes one ``from_pretrained`` loads. ``parallel3d`` reads the latest
+iteration of a checkpoint (keeping its iteration number; an HF import is iteration 0) and
+writes one for the target TP / PP / virtual PP; optimizer and RNG state are not converted,
+so train on from a converted checkpoint with ``--no-load-optim --no-load-rng``.
+
+Memory: the model streams through one unit at a time (the embedding, one transformer
+layer, the head), read lazily from memory-mapped files and written straight to the target
+files at their offsets. Peak memory is about three copies of the largest unit (the full
+unit as read, its re-laid-out copy, one TP shard of a tensor), e.g. ~3 x vocab x hidden x 4
+bytes for an fp32 embedding: never the whole model.
+
+Safety: the output is written into a temporary directory beside --save-dir and renamed into
+place only when complete; a --save-dir that exists and is not empty is refused unless
+--overwrite is given (it is then replaced as a whole).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from typing import Callable, Optional, Sequence
+
+if __package__ in (None, ""):
+    # run as a script: make the repo importable without installing it
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from models.config import TransformerConfig  # noqa: E402
+from parallel3d.checkpointing import LATEST_FILE, _fsync_dir  # noqa: E402
+from tools.checkpoint.hf import HfLoader, HfSaver  # noqa: E402
+from tools.checkpoint.parallel3d_format import Parallel3dLoader, Parallel3dSaver  # noqa: E402
+from tools.checkpoint.schema import ConversionError, check_unit, embedding_specs, head_specs, layer_specs  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--loader", required=True, choices=["hf", "parallel3d"], help="format of --load-dir")
+    p.add_argument("--saver", required=True, choices=["hf", "parallel3d"], help="format to write to --save-dir")
+    p.add_argument("--load-dir", required=True)
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-virtual-pipeline-parallel-size", type=int, default=None)
+    p.add_argument("--target-params-dtype", choices=sorted(DTYPES), default=None,
+                   help="default: the source's dtype")
+    p.add_argument("--overwrite", action="store_true", help="replace a --save-dir that already has content")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    return p.parse_args(argv)
+
+
+def target_config(source: TransformerConfig, tp: int, pp: int, vp: Optional[int],
+                  dtype: torch.dtype) -> TransformerConfig:
+    """The source model under the target layout and dtype; the config's checks name an impossible layout."""
+    fields = {f: getattr(source, f) for f in source.__dataclass_fields__}
+    fields.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                  virtual_pipeline_model_parallel_size=vp, num_layers_in_first_pipeline_stage=None,
+                  num_layers_in_last_pipeline_stage=None, sequence_parallel=False, params_dtype=dtype,
+                  bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    try:
+        return TransformerConfig(**fields)
+    except ValueError as e:
+        raise ConversionError(f"the target layout TP={tp}, PP={pp}, virtual PP={vp} is impossible for this model: "
+                              f"{e}") from e
+
+
+def _describe_existing(path: str) -> Optional[str]:
+    """Why ``path`` may not be written over: None if it is absent or an empty directory."""
+    if not os.path.exists(path):
+        return None
+    if not os.path.isdir(path):
+        return f"--save-dir {path} exists and is not a directory"
+    names = os.listdir(path)
+    if not names:
+        return None
+    if LATEST_FILE in names or any(n.startswith("iter_") for n in names) or "config.json" in names:
+        return f"--save-dir {path} already holds a checkpoint; pass --overwrite to replace it"
+    return f"--save-dir {path} is not empty ({len(names)} entries); pass --overwrite to replace it"
+
+
+def _install(tmp: str, save_dir: str) -> None:
+    """Move the finished output into place; an older --save-dir is swapped out first, then removed."""
+    parent = os.path.dirname(os.path.abspath(save_dir))
+    old = None
+    if os.path.exists(save_dir):
+        old = tempfile.mkdtemp(prefix=".old-" + os.path.basename(save_dir) + "-", dir=parent)
+        os.rmdir(old)
+        os.replace(save_dir, old)
+    os.replace(tmp, save_dir)
+    _fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def convert(loader: str, saver: str, load_dir: str, save_dir: str, *, target_tensor_parallel_size: int = 1,
+            target_pipeline_parallel_size: int = 1, target_virtual_pipeline_parallel_size: Optional[int] = None,
+            target_params_dtype: Optional[str] = None, overwrite: bool = False,
+            progress: Optional[Callable[[str], None]] = None) -> str:
+    """Convert ``load_dir`` into ``save_dir``; returns ``save_dir``. Raises ConversionError on bad input."""
+    tp, pp, vp = target_tensor_parallel_size, target_pipeline_parallel_size, target_virtual_pipeline_parallel_size
+    if loader not in ("hf", "parallel3d") or saver not in ("hf", "parallel3d"):
+        raise ConversionError(f"--loader/--saver must be hf or parallel3d, got {loader!r} / {saver!r}")
+    if tp < 1 or pp < 1 or (vp is not None and vp < 1):
+        raise ConversionError(f"target sizes must be >= 1, got TP={tp}, PP={pp}, virtual PP={vp}")
+    if saver == "hf" and (tp, pp, vp) != (1, 1, None):
+        raise ConversionError(f"--saver hf writes one unsharded model: the target TP={tp}, PP={pp}, virtual PP={vp} "
+                              "options apply to --saver parallel3d only")
+    if vp == 1:
+        vp = None  # one chunk per stage: Megatron's "no virtual pipeline"
+    if target_params_dtype is not None and target_params_dtype not in DTYPES:
+        raise ConversionError(f"--target-params-dtype must be one of {sorted(DTYPES)}, got {target_params_dtype!r}")
+    problem = _describe_existing(save_dir)
+    if problem and not overwrite:
+        raise ConversionError(problem)
+    if problem and os.path.isfile(save_dir):
+        raise ConversionError(problem)
+
+    source = HfLoader(load_dir) if loader == "hf" else Parallel3dLoader(load_dir)
+    tmp = None
+    try:
+        dtype = DTYPES[target_params_dtype] if target_params_dtype else source.dtype
+        config = target_config(source.config, tp, pp, vp, dtype)
+        parent = os.path.dirname(os.path.abspath(save_dir))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(os.path.abspath(save_dir)) + "-", dir=parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become --save-dir's mode
+        if saver == "hf":
+            target = HfSaver(tmp, config, source.extra.get("hf_config"))
+        else:
+            target = Parallel3dSaver(tmp, config, source.iteration, source.extra)
+        try:
+            say = progress or (lambda _msg: None)
+            tensors = source.embedding()
+            check_unit("embedding", tensors, embedding_specs(source.config))
+            target.embedding(tensors)
+            del tensors
+            say("embedding")
+            for i in range(config.num_layers):
+                tensors = source.layer(i)
+                check_unit(f"layer {i}", tensors, layer_specs(source.config))
+                target.layer(i, tensors)
+                del tensors
+                say(f"layer {i + 1}/{config.num_layers}")
+            tensors = source.head()
+            check_unit("head", tensors, head_specs(source.config))
+            target.head(tensors)
+            del tensors
+            say("head")
+            target.finish()
+        except BaseException:
+            target.abort()
+            raise
+        source.close()
+        _install(tmp, save_dir)
+        tmp = None
+    finally:
+        source.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return save_dir
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = get_args(argv)
+    say = (lambda _msg: None) if args.quiet else (lambda msg: print(f"converted {msg}", flush=True))
+    try:
+        convert(args.loader, args.saver, args.load_dir, args.save_dir,
+                target_tensor_parallel_size=args.target_tensor_parallel_size,
+                target_pipeline_parallel_size=args.target_pipeline_parallel_size,
+                target_virtual_pipeline_parallel_size=args.target_virtual_pipeline_parallel_size,
+                target_params_dtype=args.target_params_dtype, overwrite=args.overwrite, progress=say)
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if not args.quiet:
+        print(f"wrote {args.saver} checkpoint to {args.save_dir}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

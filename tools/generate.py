@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""Generate text from, or score tokens with, a parallel3d checkpoint under its own layout.
+
+    torchrun --nproc-per-node TP*PP tools/generate.py --load ckpt --prompt-ids 1,2,3 \\
+        --max-new-tokens 16 --greedy --output-json out.json
+    torchrun --nproc-per-node TP*PP tools/generate.py --load ckpt --prompt "Once upon" \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model tokenizer.json \\
+        --max-new-tokens 32 --temperature 0.8 --top-p 0.9 --seed 7 --output-json out.json
+    ... --prompt-ids 5,6,7,8 --score-only --output-json scores.json
+
+The TP / PP / virtual PP layout is read from the checkpoint; the world size must be
+TP x PP (generation runs one model replica, DP = 1; convert the checkpoint with
+tools/convert_checkpoint.py for another layout). Sequence parallelism is off here (the
+model is built for inference). OUT.json holds ``{"tokens": prompt + generated ids,
+"logprobs": log p(token i+1 | tokens up to i)}`` (fp32, full real vocabulary); with a
+tokenizer the decoded text is printed too. A single process (no torchrun) works for
+TP = PP = 1 checkpoints.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from models import GPTModel, TransformerConfig  # noqa: E402
+from parallel3d import parallel_state  # noqa: E402
+from parallel3d.checkpointing import (  # noqa: E402
+    CheckpointError,
+    check_compatible,
+    iteration_dir,
+    load_model_shards,
+    load_model_state,
+    read_latest_iteration,
+    read_metadata,
+)
+from parallel3d.data import build_tokenizer  # noqa: E402
+from parallel3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
+from parallel3d.generation import check_generation_args, generate  # noqa: E402
+from parallel3d.pipeline.partition import partition_layers  # noqa: E402
+from tools.checkpoint.parallel3d_format import config_from_metadata  # noqa: E402
+from tools.checkpoint.schema import ConversionError  # noqa: E402
+
+
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="checkpoint directory (its latest iteration is used)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
+    prompt.add_argument("--prompt", default=None, help="text, tokenized with --tokenizer-type/--tokenizer-model")
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (the default without sampling options)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (0 = off)")
+    p.add_argument("--seed", type=int, default=1234, help="sampling seed")
+    p.add_argument("--score-only", action="store_true", help="generate nothing: log-probabilities of the prompt")
+    p.add_argument("--output-json", required=True)
+    return p.parse_args(argv)
+
+
+def read_checkpoint(load_dir: str) -> tuple[str, dict[str, Any], TransformerConfig]:
+    """(checkpoint directory, metadata, model config) of the latest iteration under ``load_dir``."""
+    iteration = read_latest_iteration(load_dir)
+    if iteration is None:
+        raise CheckpointError(f"{load_dir} holds no checkpoint (latest_checkpointed_iteration.txt is missing)")
+    ckpt_dir = iteration_dir(load_dir, iteration)
+    meta = read_metadata(ckpt_dir)
+    return ckpt_dir, meta, config_from_metadata(meta.get("model_config"), ckpt_dir)
+
+
+def inference_config(config: TransformerConfig, sequence_parallel: bool = False) -> TransformerConfig:
+    """The saved config with training-only machinery off (and sequence parallelism as asked)."""
+    fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
+    fields.update(sequence_parallel=sequence_parallel and config.tensor_model_parallel_size > 1,
+                  recompute_granularity=None, gradient_accumulation_fusion=False)
+    return TransformerConfig(**fields)
+
+
+def load_model(load_dir: str, *, sequence_parallel: bool = False,
+               device: Optional[torch.device] = None) -> tuple[list[GPTModel], TransformerConfig]:
+    """This rank's model chunks of the checkpoint, in eval mode. parallel_state must hold its layout."""
+    ckpt_dir, meta, saved = read_checkpoint(load_dir)
+    config = inference_config(saved, sequence_parallel)
+    check_compatible(meta, config, ckpt_dir)
+    initialized = parallel_state.model_parallel_is_initialized()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if initialized else 0
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if initialized else 0
+    pp, vp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
+    partition = partition_layers(config.num_layers, pp, vp, layers_per_stage=config.layers_per_virtual_stage())
+    chunks = []
+    for c in range(vp):
+        chunk = GPTModel(config, pre_process=pp_rank == 0 and c == 0, post_process=pp_rank == pp - 1 and c == vp - 1,
+                         layer_numbers=partition[pp_rank][c], vp_stage=c)
+        chunks.append(chunk.to(device) if device is not None else chunk)
+    tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank)
+    load_model_state(chunks, tensors, ckpt_dir)
+    for chunk in chunks:
+        chunk.eval()
+    return chunks, config
+
+
+def _prepare(args: argparse.Namespace, world_size: int) -> tuple[Any, list[int], TransformerConfig, dict[str, Any]]:
+    """Check everything that can be checked before any process talks to another."""
+    if args.score_only and args.max_new_tokens:
+        raise ValueError("--score-only generates nothing: drop --max-new-tokens")
+    if not args.score_only and args.max_new_tokens is None:
+        raise ValueError("--max-new-tokens is required (or --score-only)")
+    sampling_given = [n for n in ("temperature", "top_k", "top_p") if getattr(args, n) is not None]
+    if args.greedy and sampling_given:
+        raise ValueError(f"--greedy excludes {', '.join('--' + n.replace('_', '-') for n in sampling_given)}")
+    sampling = dict(greedy=not sampling_given, temperature=1.0 if args.temperature is None else args.temperature,
+                    top_k=args.top_k or 0, top_p=args.top_p or 0.0)
+    if args.prompt is not None and args.tokenizer_type is None:
+        raise ValueError("--prompt needs --tokenizer-type (and --tokenizer-model for HuggingFaceTokenizer)")
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model) if args.tokenizer_type else None
+    if args.prompt is not None:
+        prompt_ids = tokenizer.tokenize(args.prompt)
+    else:
+        try:
+            prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError as e:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from e
+    if not os.path.isdir(args.load):
+        raise ValueError(f"--load directory {args.load!r} does not exist")
+    _, _, config = read_checkpoint(args.load)
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    if world_size != tp * pp:
+        raise ValueError(f"world size ({world_size}) must equal the checkpoint's TP ({tp}) x PP ({pp}) = {tp * pp}: "
+                         f"generation runs one model replica (DP = 1); launch {tp * pp} processes or convert the "
+                         "checkpoint to another layout with tools/convert_checkpoint.py")
+    check_generation_args(prompt_ids, 0 if args.score_only else args.max_new_tokens, config, **sampling)
+    return tokenizer, prompt_ids, config, sampling
+
+
+def _initialize(config: TransformerConfig) -> torch.device:
+    if not dist.is_initialized() and "RANK" in os.environ:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    if dist.is_initialized():
+        parallel_state.initialize_model_parallel(config.tensor_model_parallel_size,
+                                                 config.pipeline_model_parallel_size,
+                                                 config.virtual_pipeline_model_parallel_size)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    args = get_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        tokenizer, prompt_ids, config, sampling = _prepare(args, world_size)
+    except (ValueError, CheckpointError, ConversionError, FileNotFoundError) as e:
+        # every rank checks the same input and exits with the same message, before any collective
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+    device = _initialize(config)
+    chunks, _ = load_model(args.load, device=device)
+    max_new = 0 if args.score_only else args.max_new_tokens
+    tokens, logprobs = generate(chunks, prompt_ids, max_new, seed=args.seed, **sampling)
+    result = {"tokens": tokens, "logprobs": logprobs}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp = args.output_json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, args.output_json)
+        if tokenizer is not None:
+            print(tokenizer.detokenize(tokens), flush=True)
+        print(f"wrote {len(tokens)} tokens ({len(tokens) - len(prompt_ids)} generated) and {len(logprobs)} "
+              f"log-probabilities to {args.output_json}", flush=True)
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()
