@@ -239,6 +239,9 @@ def test_hf_loader_reads_bin_sharded_and_unprefixed_files(hf, checkpoints, tmp_p
                 target_pipeline_parallel_size=2)
         got = load_file(str(out / "iter_0000000" / "mp_rank_01_001" / "model.safetensors"))
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), name
+    os.remove(sharded / "model-00002-of-00002.safetensors")
+    assert "weight shard model-00002-of-00002.safetensors listed in model.safetensors.index.json is missing" in \
+        _convert_error("hf", "parallel3d", str(sharded), str(tmp_path / "never"))
 
 
 def test_target_dtype_and_overwrite(hf, checkpoints, tmp_path):
@@ -504,6 +507,28 @@ def test_generate_cli_under_torchrun(hf, tmp_path):
     assert max(abs(a - b) for a, b in zip(result["logprobs"], _hf_logprobs(model, want))) < 1e-4
     assert "wrote 8 tokens (5 generated) and 7 log-probabilities" in proc.stdout
     assert proc.stdout.startswith("hi!")
+
+
+def test_generate_cli_in_one_process_scores_and_samples(hf, tmp_path, monkeypatch):
+    """Without torchrun (TP = PP = 1): --score-only, and seeded sampling that repeats itself."""
+    ckpt = str(tmp_path / "one")
+    convert("hf", "parallel3d", hf["llama"][0], ckpt)
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    tokens, logprobs = hf["llama"][2], hf["llama"][3]
+    out = str(tmp_path / "score.json")
+    with redirect_stdout(io.StringIO()):
+        generate_tool.main(["--load", ckpt, "--prompt-ids", ",".join(map(str, tokens)), "--score-only",
+                            "--output-json", out])
+    scored = json.load(open(out))
+    assert scored["tokens"] == tokens and max(abs(a - b) for a, b in zip(scored["logprobs"], logprobs)) < 1e-4
+    runs = []
+    for _ in range(2):
+        with redirect_stdout(io.StringIO()):
+            runs.append(generate_tool.main(["--load", ckpt, "--prompt-ids", "1,2,3", "--max-new-tokens", "6",
+                                            "--temperature", "1.5", "--top-p", "0.9", "--seed", "11",
+                                            "--output-json", out]))
+    assert runs[0] == runs[1] == json.load(open(out)) and len(runs[0]["tokens"]) == 9
 
 
 def _generate_cli_error(argv, world_size, monkeypatch) -> str:
