@@ -148,39 +148,28 @@ def run_case(case: Case, copy_bw: float, rows: list, log):
     for name, impl in case.impls.items():
         # An impl is fn, or (fn, make_inputs, grad_idx) when it wants its own input layout.
         fn, ins, gidx = impl if isinstance(impl, tuple) else (impl, None, case.grad_idx)
-        general = name == GENERAL and _ext.get_ext() is not None
         try:
-            if general:
-                _ext.get_ext().set_prefer_general_path(True)
             res[name] = time_impl(fn, ins() if ins else inputs, gidx)
         except Exception as e:  # noqa: BLE001 - a peer failing must not stop the run
             log(f"  {case.op} {case.shape} {name}: failed: {type(e).__name__}: {str(e)[:300]}")
             res[name] = (None, None)
-        finally:
-            if general:
-                _ext.get_ext().set_prefer_general_path(False)
     for p, nbytes in (("fwd", case.fwd_bytes), ("bwd", case.bwd_bytes)):
         k = 0 if p == "fwd" else 1
         ours = res.get("ours", (None, None))[k]
         if ours is None and nbytes is None:
             continue
-        peers = {n: v[k] for n, v in res.items() if n not in ("ours", GENERAL)}
+        peers = {n: v[k] for n, v in res.items() if n != "ours"}
         finite = [v for v in peers.values() if v is not None]
         best = min(finite) if finite else None
         gbs = nbytes / (ours * 1e-3) / 1e9 if ours else None
         rows.append({
             "op": case.op, "shape": case.shape, "pass": p, "ours": ours, **{f"p_{n}": v for n, v in peers.items()},
-            "general": res.get(GENERAL, (None, None))[k],
             "gbs": gbs, "frac": (nbytes / (ours * 1e-3)) / copy_bw if ours else None,
             "speedup": best / ours if (best and ours) else None,
         })
-        log(f"  {case.op:<24} {case.shape:<26} {p}: ours {fmt(ours)} ms, general path {fmt(rows[-1]['general'])}, "
+        log(f"  {case.op:<24} {case.shape:<26} {p}: ours {fmt(ours)} ms, "
             + ", ".join(f"{n} {fmt(v)}" for n, v in peers.items())
             + (f", {gbs:.0f} GB/s = {100 * rows[-1]['frac']:.0f}% of copy" if gbs else ""))
-
-
-# Our kernel forced onto its general (shared-memory / re-read) path, where it has a register path.
-GENERAL = "ours_general"
 
 
 def fmt(v, nd=3):
@@ -202,14 +191,12 @@ def cases(quick: bool, tiny: bool):
 
     for h in ((64 if tiny else 4096,) if quick else (2048, 4096, 8192)):
         n = tokens * h
-        impls = {"ours": lambda x, w: fused.rms_norm(x, w, 1e-5), GENERAL: lambda x, w: fused.rms_norm(x, w, 1e-5),
-                 "eager": eager_rms_norm, "compile": compiled(eager_rms_norm)}
+        impls = {"ours": lambda x, w: fused.rms_norm(x, w, 1e-5), "eager": eager_rms_norm, "compile": compiled(eager_rms_norm)}
         if HAVE_LIGER:
             impls["liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5, 0.0, "llama", False)
         out.append(Case("rms_norm", f"[{tokens}, {h}]", 2 * n * ESZ, 3 * n * ESZ, impls,
                         lambda h=h: [rn(tokens, h), rn(h)], [0, 1]))
-        impls = {"ours": lambda x, w, b: fused.layer_norm(x, w, b, 1e-5),
-                 GENERAL: lambda x, w, b: fused.layer_norm(x, w, b, 1e-5), "eager": eager_layer_norm,
+        impls = {"ours": lambda x, w, b: fused.layer_norm(x, w, b, 1e-5), "eager": eager_layer_norm,
                  "compile": compiled(eager_layer_norm)}
         if HAVE_LIGER:
             impls["liger"] = lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, 1e-5)
@@ -268,7 +255,6 @@ def cases(quick: bool, tiny: bool):
         sc = 0.088
         out.append(Case("causal_softmax", f"[{bnp}, {s}, {s}]", int(1.5 * n * ESZ), 2 * n * ESZ,
                         {"ours": lambda x: fused.scaled_upper_triang_masked_softmax(x, sc),
-                         GENERAL: lambda x: fused.scaled_upper_triang_masked_softmax(x, sc),
                          "eager": lambda x: eager_causal_softmax(x, sc),
                          "compile": compiled(lambda x: eager_causal_softmax(x, sc))},
                         lambda bnp=bnp, s=s: [rn(bnp, s, s)], [0]))
@@ -337,15 +323,14 @@ def main() -> None:
         "Times are medians in ms (bf16). BW = minimum bytes moved / our time; % = of the copy bandwidth. "
         "vs best = fastest peer's time / ours (> 1: ours is faster).",
         "",
-        "| op | shape | pass | ours | eager | torch.compile | liger | ours GB/s | % copy BW | vs best | ours, general path |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| op | shape | pass | ours | eager | torch.compile | liger | ours GB/s | % copy BW | vs best |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cells = [r["op"], r["shape"], r["pass"], fmt(r["ours"])]
         cells += [fmt(r.get("p_" + p)) if ("p_" + p) in r else "-" for p in peers]
         cells += [fmt(r["gbs"], 0), "n/a" if r["frac"] is None else "%.0f%%" % (100 * r["frac"]),
-                  "n/a" if r["speedup"] is None else "%.2fx" % r["speedup"],
-                  "-" if r["general"] is None else fmt(r["general"])]
+                  "n/a" if r["speedup"] is None else "%.2fx" % r["speedup"]]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| wgrad GEMM (bf16 operands, fp32 main_grad) | variant | ms | TFLOP/s | time / fused |", "|---|---|---|---|---|"]
     for shape, name, ms, tf, rel in wg:

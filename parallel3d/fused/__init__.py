@@ -1,0 +1,30 @@
+"""Fused CUDA kernels with PyTorch fallbacks.
+
+Each op runs its CUDA kernel when the extension (parallel3d._C, or a JIT build
+with PARALLEL3D_JIT=1) is available, its tensors are on CUDA and fusion is on;
+otherwise it runs plain PyTorch.  Nothing is compiled or loaded at import time.
+Turn the kernels off with ``set_fusion_enabled(False)`` or
+``PARALLEL3D_DISABLE_FUSION=1``.
+"""
+from parallel3d.fused._ext import fusion_enabled, set_fusion_enabled
+from parallel3d.fused.bias_dropout_add import bias_dropout_add
+from parallel3d.fused.bias_gelu import bias_gelu
+from parallel3d.fused.bias_swiglu import bias_swiglu
+from parallel3d.fused.grad_accum import wgrad_accumulate
+from parallel3d.fused.layer_norm import layer_norm
+from parallel3d.fused.rms_norm import rms_norm
+from parallel3d.fused.rope import apply_rotary_pos_emb
+from parallel3d.fused.softmax import scaled_upper_triang_masked_softmax
+
+__all__ = [
+    "apply_rotary_pos_emb",
+    "bias_dropout_add",
+    "bias_gelu",
+    "bias_swiglu",
+    "fusion_enabled",
+    "layer_norm",
+    "rms_norm",
+    "scaled_upper_triang_masked_softmax",
+    "set_fusion_enabled",
+    "wgrad_accumulate",
+]

@@ -1,0 +1,276 @@
+// Bias + dropout + residual add, forward and backward.
+//
+//   forward:  out = residual + mask * (x + bias) / (1 - p)
+//   backward: dx = dy * mask / (1 - p),  dresidual = dy (done in Python),
+//             dbias = sum over rows of dx
+//
+// Randomness contract.  The mask is a pure function of (seed, offset, element
+// index): element e keeps its value iff u(e) >= p, where u(e) comes from
+// Philox4x32-10 with key = seed and counter = (e / 4, offset), lane e % 4.
+// (seed, offset) come from the CUDA generator passed in (the device's default
+// generator when none is), through philox_cuda_state(), exactly as PyTorch's
+// own dropout draws them; each call advances the generator's offset by 4.  So
+// restoring the generator state (torch.cuda.set_rng_state, Generator.set_state,
+// or an RNG tracker fork) and re-running gives the same mask, which is what
+// activation recomputation needs, and it works under CUDA-graph capture.
+// The forward kernel writes (seed, offset) to a 2-element int64 device tensor;
+// the backward kernel regenerates the mask from it, so no mask is stored.
+// The mask does not depend on the launch geometry or the vector width.
+//
+// Launch geometry: block (32, 8) over (column packs, rows), see row_col_grid;
+// one pass over memory each way, bias-gradient partials in registers.
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/PhiloxUtils.cuh>
+
+#include <mutex>
+
+#include "common.cuh"
+#include "ops.h"
+
+namespace p3d {
+namespace {
+
+// Philox4x32-10 (Salmon et al., SC'11), the generator behind curand's Philox.
+__device__ __forceinline__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
+  constexpr uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
+  constexpr uint32_t W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    const uint32_t hi0 = __umulhi(M0, ctr.x), lo0 = M0 * ctr.x;
+    const uint32_t hi1 = __umulhi(M1, ctr.z), lo1 = M1 * ctr.z;
+    ctr = make_uint4(hi1 ^ ctr.y ^ key.x, lo1, hi0 ^ ctr.w ^ key.y, lo0);
+    key.x += W0;
+    key.y += W1;
+  }
+  return ctr;
+}
+
+__device__ __forceinline__ float to_uniform(uint32_t r) {
+  return static_cast<float>(r >> 8) * (1.f / 16777216.f);  // 24 bits -> [0, 1)
+}
+
+// Keep flags for the VEC consecutive elements starting at flat index e0.
+// VEC is 1 or a multiple of 4 with e0 % 4 == 0 (the vectorised path).
+template <int VEC>
+__device__ __forceinline__ void keep_flags(uint64_t seed, uint64_t offset, int64_t e0, float p,
+                                           bool (&keep)[VEC]) {
+  const uint2 key = make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  if (VEC == 1) {
+    const uint64_t grp = static_cast<uint64_t>(e0) >> 2;
+    const uint4 r = philox4x32_10(make_uint4(static_cast<uint32_t>(grp), static_cast<uint32_t>(grp >> 32),
+                                             static_cast<uint32_t>(offset),
+                                             static_cast<uint32_t>(offset >> 32)),
+                                  key);
+    const int lane = static_cast<int>(e0 & 3);
+    const uint32_t x = lane == 0 ? r.x : lane == 1 ? r.y : lane == 2 ? r.z : r.w;
+    keep[0] = to_uniform(x) >= p;
+  } else {
+#pragma unroll
+    for (int q = 0; q < VEC / 4; ++q) {
+      const uint64_t grp = (static_cast<uint64_t>(e0) >> 2) + q;
+      const uint4 r = philox4x32_10(make_uint4(static_cast<uint32_t>(grp), static_cast<uint32_t>(grp >> 32),
+                                               static_cast<uint32_t>(offset),
+                                               static_cast<uint32_t>(offset >> 32)),
+                                    key);
+      keep[4 * q + 0] = to_uniform(r.x) >= p;
+      keep[4 * q + 1] = to_uniform(r.y) >= p;
+      keep[4 * q + 2] = to_uniform(r.z) >= p;
+      keep[4 * q + 3] = to_uniform(r.w) >= p;
+    }
+  }
+}
+
+template <typename T, int VEC, bool DROP>
+__global__ void bias_dropout_add_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
+                                            const T* __restrict__ residual, T* __restrict__ out,
+                                            int64_t rows, int64_t cols, float p,
+                                            at::PhiloxCudaState philox,
+                                            int64_t* __restrict__ seed_offset) {
+  uint64_t seed = 0, offset = 0;
+  if (DROP) {
+    const auto so = at::cuda::philox::unpack(philox);
+    seed = std::get<0>(so);
+    offset = std::get<1>(so);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
+      seed_offset[0] = static_cast<int64_t>(seed);
+      seed_offset[1] = static_cast<int64_t>(offset);
+    }
+  }
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * VEC;
+  if (col >= cols) return;
+  const float scale = DROP ? 1.f / (1.f - p) : 1.f;
+  float b[VEC];
+  if (bias != nullptr) {
+    const Pack<T, VEC> bp = load_pack<T, VEC>(bias + col);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) b[v] = static_cast<float>(bp.v[v]);
+  } else {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) b[v] = 0.f;
+  }
+  const int64_t step = static_cast<int64_t>(gridDim.y) * 8;
+#pragma unroll 2
+  for (int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; r < rows; r += step) {
+    const int64_t e0 = r * cols + col;
+    const Pack<T, VEC> xp = load_pack<T, VEC>(x + e0);
+    const Pack<T, VEC> rp = load_pack<T, VEC>(residual + e0);
+    bool keep[VEC];
+    if (DROP) {
+      keep_flags<VEC>(seed, offset, e0, p, keep);
+    } else {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) keep[v] = true;
+    }
+    Pack<T, VEC> op;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const float h = keep[v] ? (static_cast<float>(xp.v[v]) + b[v]) * scale : 0.f;
+      op.v[v] = static_cast<T>(static_cast<float>(rp.v[v]) + h);
+    }
+    store_pack<T, VEC>(out + e0, op);
+  }
+}
+
+template <typename T, int VEC>
+__global__ void bias_dropout_add_bwd_kernel(const T* __restrict__ dy, T* __restrict__ dx,
+                                            float* __restrict__ dbias_part, int64_t rows,
+                                            int64_t cols, float p,
+                                            const int64_t* __restrict__ seed_offset) {
+  __shared__ float sm[8 * 32 * VEC];
+  const uint64_t seed = static_cast<uint64_t>(seed_offset[0]);
+  const uint64_t offset = static_cast<uint64_t>(seed_offset[1]);
+  const float scale = 1.f / (1.f - p);
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * VEC;
+  float acc[VEC];
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) acc[v] = 0.f;
+  if (col < cols) {
+    const int64_t step = static_cast<int64_t>(gridDim.y) * 8;
+#pragma unroll 2
+    for (int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; r < rows; r += step) {
+      const int64_t e0 = r * cols + col;
+      const Pack<T, VEC> gp = load_pack<T, VEC>(dy + e0);
+      bool keep[VEC];
+      keep_flags<VEC>(seed, offset, e0, p, keep);
+      Pack<T, VEC> op;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const float g = keep[v] ? static_cast<float>(gp.v[v]) * scale : 0.f;
+        op.v[v] = static_cast<T>(g);
+        acc[v] += g;
+      }
+      store_pack<T, VEC>(dx + e0, op);
+    }
+  }
+  if (dbias_part != nullptr) write_block_partial<VEC>(acc, sm, dbias_part + blockIdx.y * cols, cols);
+}
+
+template <typename T>
+bool use_vec(int64_t cols, std::initializer_list<const void*> ptrs) {
+  if (cols % vec16<T>() != 0) return false;
+  for (const void* p : ptrs)
+    if (!aligned16(p)) return false;
+  return true;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> bias_dropout_add_fwd(const at::Tensor& x,
+                                             const std::optional<at::Tensor>& bias,
+                                             const at::Tensor& residual, double prob,
+                                             std::optional<at::Generator> generator) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous(), "bias_dropout_add: x must be a contiguous CUDA tensor");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type() && residual.device() == x.device(),
+              "bias_dropout_add: residual must be contiguous with x's shape, dtype and device; got ",
+              residual.sizes(), " vs ", x.sizes());
+  TORCH_CHECK(prob >= 0.0 && prob < 1.0, "bias_dropout_add: prob must be in [0, 1), got ", prob);
+  TORCH_CHECK(x.dim() >= 1, "bias_dropout_add: x must have at least one dimension");
+  if (bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == x.size(-1) &&
+                    bias->scalar_type() == x.scalar_type() && bias->device() == x.device(),
+                "bias_dropout_add: bias must be a contiguous vector of size ", x.size(-1),
+                " with x's dtype and device, got ", bias->sizes(), " ", bias->scalar_type());
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = new_output(x.sizes(), x.options());
+  at::Tensor seed_offset = at::zeros({2}, x.options().dtype(at::kLong));
+  const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
+  if (x.numel() == 0) return {out, seed_offset};
+  const bool drop = prob > 0.0;
+  at::PhiloxCudaState philox;
+  if (drop) {
+    auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+        generator, at::cuda::detail::getDefaultCUDAGenerator(x.get_device()));
+    TORCH_CHECK(gen->device().is_cuda() &&
+                    (!gen->device().has_index() || gen->device().index() == x.get_device()),
+                "bias_dropout_add: generator is on ", gen->device(), " but x is on ", x.device());
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    philox = gen->philox_cuda_state(4);
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const float p = static_cast<float>(prob);
+  P3D_DISPATCH_FLOATING(x.scalar_type(), "bias_dropout_add", [&] {
+    using T = scalar_t;
+    const T* bp = bias ? bias->data_ptr<T>() : nullptr;
+    auto launch = [&](auto vec_tag, auto drop_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      constexpr bool DROP = decltype(drop_tag)::value;
+      const RowColGrid g = row_col_grid(rows, cols / VEC);
+      bias_dropout_add_fwd_kernel<T, VEC, DROP><<<g.grid, g.block, 0, stream>>>(
+          x.data_ptr<T>(), bp, residual.data_ptr<T>(), out.data_ptr<T>(), rows, cols, p, philox,
+          seed_offset.data_ptr<int64_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const bool vec = use_vec<T>(cols, {x.data_ptr(), bp, residual.data_ptr(), out.data_ptr()});
+    using V = std::integral_constant<int, vec16<T>()>;
+    using S = std::integral_constant<int, 1>;
+    if (vec && drop) launch(V{}, std::true_type{});
+    else if (vec) launch(V{}, std::false_type{});
+    else if (drop) launch(S{}, std::true_type{});
+    else launch(S{}, std::false_type{});
+  });
+  return {out, seed_offset};
+}
+
+std::vector<at::Tensor> bias_dropout_add_bwd(const at::Tensor& dy, const at::Tensor& seed_offset,
+                                             double prob, bool has_bias) {
+  TORCH_CHECK(dy.is_cuda() && dy.is_contiguous() && dy.dim() >= 1,
+              "bias_dropout_add backward: grad must be a contiguous CUDA tensor");
+  TORCH_CHECK(seed_offset.scalar_type() == at::kLong && seed_offset.numel() == 2 &&
+                  seed_offset.device() == dy.device(),
+              "bias_dropout_add backward: seed_offset must be the int64[2] tensor from forward");
+  TORCH_CHECK(prob > 0.0 && prob < 1.0, "bias_dropout_add backward: prob must be in (0, 1), got ", prob);
+  c10::cuda::CUDAGuard guard(dy.device());
+  at::Tensor dx = new_output(dy.sizes(), dy.options());
+  const int64_t cols = dy.size(-1), rows = cols == 0 ? 0 : dy.numel() / cols;
+  if (dy.numel() == 0) {
+    std::vector<at::Tensor> out{dx};
+    if (has_bias) out.push_back(at::zeros({cols}, dy.options()));
+    return out;
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const float p = static_cast<float>(prob);
+  at::Tensor part;
+  P3D_DISPATCH_FLOATING(dy.scalar_type(), "bias_dropout_add backward", [&] {
+    using T = scalar_t;
+    auto launch = [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      const RowColGrid g = row_col_grid(rows, cols / VEC);
+      if (has_bias) part = new_output({static_cast<int64_t>(g.grid.y), cols}, dy.options().dtype(at::kFloat));
+      bias_dropout_add_bwd_kernel<T, VEC><<<g.grid, g.block, 0, stream>>>(
+          dy.data_ptr<T>(), dx.data_ptr<T>(), has_bias ? part.data_ptr<float>() : nullptr, rows,
+          cols, p, seed_offset.data_ptr<int64_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (use_vec<T>(cols, {dy.data_ptr(), dx.data_ptr()}))
+      launch(std::integral_constant<int, vec16<T>()>{});
+    else
+      launch(std::integral_constant<int, 1>{});
+  });
+  std::vector<at::Tensor> out{dx};
+  if (has_bias) out.push_back(sum_partials(part, dy.scalar_type()));
+  return out;
+}
+
+}  // namespace p3d

@@ -1,0 +1,207 @@
+// Bias + GeLU (tanh approximation or exact erf), forward and backward.
+//
+//   forward:  y  = gelu(x + bias)
+//   backward: dx = dy * gelu'(x + bias),  dbias = sum over rows of dx
+//
+// x is viewed as [rows, cols] with the bias broadcast over rows.  Launch
+// geometry (row_col_grid in common.cuh): block (32, 8) over (column packs,
+// rows); a thread keeps its columns' bias in registers for all of its rows and,
+// in backward, accumulates its columns' bias gradient in registers too, so the
+// bias gradient costs one block-level reduction plus a tiny stage-2 kernel
+// instead of a second pass over dx.  One pass over memory each way:
+// forward reads x and writes y, backward reads dy and x and writes dx.
+#include "common.cuh"
+#include "ops.h"
+
+namespace p3d {
+namespace {
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kCoeff = 0.044715f;
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;  // 1 / sqrt(2 pi)
+
+// Written without the cancelling "1 + tanh" / "1 + erf" forms so the negative
+// tail keeps its relative accuracy: 1 + tanh(u) = 2 sigmoid(2u) and
+// 1 + erf(x / sqrt 2) = erfc(-x / sqrt 2).
+template <bool TANH>
+__device__ __forceinline__ float gelu(float x) {
+  if (TANH) {
+    const float u = kSqrt2OverPi * x * (1.f + kCoeff * x * x);
+    return x / (1.f + __expf(-2.f * u));
+  }
+  return 0.5f * x * erfcf(-x * kInvSqrt2);
+}
+
+// d gelu(x) / dx
+template <bool TANH>
+__device__ __forceinline__ float gelu_grad(float x) {
+  if (TANH) {
+    const float u = kSqrt2OverPi * x * (1.f + kCoeff * x * x);
+    const float s = 1.f / (1.f + __expf(-2.f * u));  // (1 + tanh u) / 2
+    return s + 2.f * x * s * (1.f - s) * kSqrt2OverPi * (1.f + 3.f * kCoeff * x * x);
+  }
+  return 0.5f * erfcf(-x * kInvSqrt2) + x * kInvSqrt2Pi * __expf(-0.5f * x * x);
+}
+
+template <typename T, int VEC, bool TANH>
+__global__ void bias_gelu_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
+                                     T* __restrict__ y, int64_t rows, int64_t cols) {
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * VEC;
+  if (col >= cols) return;
+  float b[VEC];
+  if (bias != nullptr) {
+    const Pack<T, VEC> bp = load_pack<T, VEC>(bias + col);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) b[v] = static_cast<float>(bp.v[v]);
+  } else {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) b[v] = 0.f;
+  }
+  const int64_t step = static_cast<int64_t>(gridDim.y) * 8;
+#pragma unroll 2
+  for (int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; r < rows; r += step) {
+    const Pack<T, VEC> xp = load_pack<T, VEC>(x + r * cols + col);
+    Pack<T, VEC> yp;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) yp.v[v] = static_cast<T>(gelu<TANH>(static_cast<float>(xp.v[v]) + b[v]));
+    store_pack<T, VEC>(y + r * cols + col, yp);
+  }
+}
+
+template <typename T, int VEC, bool TANH>
+__global__ void bias_gelu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                     const T* __restrict__ bias, T* __restrict__ dx,
+                                     float* __restrict__ dbias_part, int64_t rows,
+                                     int64_t cols) {
+  __shared__ float sm[8 * 32 * VEC];
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * VEC;
+  const bool active = col < cols;  // inactive threads still join the block reduction
+  float b[VEC], acc[VEC];
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) b[v] = acc[v] = 0.f;
+  if (active && bias != nullptr) {
+    const Pack<T, VEC> bp = load_pack<T, VEC>(bias + col);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) b[v] = static_cast<float>(bp.v[v]);
+  }
+  if (active) {
+    const int64_t step = static_cast<int64_t>(gridDim.y) * 8;
+#pragma unroll 2
+    for (int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; r < rows; r += step) {
+      const Pack<T, VEC> gp = load_pack<T, VEC>(dy + r * cols + col);
+      const Pack<T, VEC> xp = load_pack<T, VEC>(x + r * cols + col);
+      Pack<T, VEC> op;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const float g = static_cast<float>(gp.v[v]) *
+                        gelu_grad<TANH>(static_cast<float>(xp.v[v]) + b[v]);
+        op.v[v] = static_cast<T>(g);
+        acc[v] += g;
+      }
+      store_pack<T, VEC>(dx + r * cols + col, op);
+    }
+  }
+  if (dbias_part != nullptr) write_block_partial<VEC>(acc, sm, dbias_part + blockIdx.y * cols, cols);
+}
+
+template <typename T>
+bool use_vec(int64_t cols, std::initializer_list<const void*> ptrs) {
+  if (cols % vec16<T>() != 0) return false;
+  for (const void* p : ptrs)
+    if (!aligned16(p)) return false;
+  return true;
+}
+
+void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias, const char* name) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous(), name, ": x must be a contiguous CUDA tensor");
+  TORCH_CHECK(x.dim() >= 1, name, ": x must have at least one dimension");
+  if (bias) {
+    TORCH_CHECK(bias->is_cuda() && bias->is_contiguous() && bias->dim() == 1 &&
+                    bias->size(0) == x.size(-1),
+                name, ": bias must be a contiguous CUDA vector of size ", x.size(-1), ", got ",
+                bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), name, ": bias dtype ",
+                bias->scalar_type(), " differs from x dtype ", x.scalar_type());
+  }
+}
+
+}  // namespace
+
+at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                         bool approximate_tanh) {
+  check_inputs(x, bias, "bias_gelu");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = new_output(x.sizes(), x.options());
+  const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
+  if (x.numel() == 0) return y;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  P3D_DISPATCH_FLOATING(x.scalar_type(), "bias_gelu", [&] {
+    using T = scalar_t;
+    const T* bp = bias ? bias->data_ptr<T>() : nullptr;
+    auto launch = [&](auto vec_tag, auto tanh_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      constexpr bool TANH = decltype(tanh_tag)::value;
+      const RowColGrid g = row_col_grid(rows, cols / VEC);
+      bias_gelu_fwd_kernel<T, VEC, TANH><<<g.grid, g.block, 0, stream>>>(
+          x.data_ptr<T>(), bp, y.data_ptr<T>(), rows, cols);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const bool vec = use_vec<T>(cols, {x.data_ptr(), bp, y.data_ptr()});
+    using V = std::integral_constant<int, vec16<T>()>;
+    using S = std::integral_constant<int, 1>;
+    using Tt = std::true_type;
+    using Tf = std::false_type;
+    if (vec && approximate_tanh) launch(V{}, Tt{});
+    else if (vec) launch(V{}, Tf{});
+    else if (approximate_tanh) launch(S{}, Tt{});
+    else launch(S{}, Tf{});
+  });
+  return y;
+}
+
+std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                      const std::optional<at::Tensor>& bias,
+                                      bool approximate_tanh) {
+  check_inputs(x, bias, "bias_gelu backward");
+  TORCH_CHECK(dy.is_contiguous() && dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
+              "bias_gelu backward: grad must be contiguous with x's shape and dtype");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor dx = new_output(x.sizes(), x.options());
+  const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
+  if (x.numel() == 0) {
+    std::vector<at::Tensor> out{dx};
+    if (bias) out.push_back(at::zeros_like(*bias));
+    return out;
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor part;
+  P3D_DISPATCH_FLOATING(x.scalar_type(), "bias_gelu backward", [&] {
+    using T = scalar_t;
+    const T* bp = bias ? bias->data_ptr<T>() : nullptr;
+    auto launch = [&](auto vec_tag, auto tanh_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      constexpr bool TANH = decltype(tanh_tag)::value;
+      const RowColGrid g = row_col_grid(rows, cols / VEC);
+      if (bias) part = new_output({static_cast<int64_t>(g.grid.y), cols}, x.options().dtype(at::kFloat));
+      bias_gelu_bwd_kernel<T, VEC, TANH><<<g.grid, g.block, 0, stream>>>(
+          dy.data_ptr<T>(), x.data_ptr<T>(), bp, dx.data_ptr<T>(),
+          bias ? part.data_ptr<float>() : nullptr, rows, cols);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const bool vec = use_vec<T>(cols, {dy.data_ptr(), x.data_ptr(), bp, dx.data_ptr()});
+    using V = std::integral_constant<int, vec16<T>()>;
+    using S = std::integral_constant<int, 1>;
+    using Tt = std::true_type;
+    using Tf = std::false_type;
+    if (vec && approximate_tanh) launch(V{}, Tt{});
+    else if (vec) launch(V{}, Tf{});
+    else if (approximate_tanh) launch(S{}, Tt{});
+    else launch(S{}, Tf{});
+  });
+  std::vector<at::Tensor> out{dx};
+  if (bias) out.push_back(sum_partials(part, x.scalar_type()));
+  return out;
+}
+
+}  // namespace p3d

@@ -1,0 +1,57 @@
+// Python bindings of the parallel3d CUDA kernels (module parallel3d._C, or
+// parallel3d_C when built just-in-time).  Argument checking that needs no
+// device lives in the Python wrappers (parallel3d/fused/); the C++ entry points
+// re-check what the kernels rely on.
+#include <torch/extension.h>
+
+#include <atomic>
+
+#include "ops.h"
+
+namespace p3d {
+
+namespace {
+std::atomic<bool> g_poison_outputs{false};
+}
+
+bool poison_outputs() { return g_poison_outputs.load(std::memory_order_relaxed); }
+
+}  // namespace p3d
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "parallel3d fused CUDA kernels";
+  m.def("set_poison_outputs", [](bool on) { p3d::g_poison_outputs = on; },
+        "Test hook: fill every output the kernels allocate with NaN before writing it.");
+  m.def("poison_outputs", &p3d::poison_outputs);
+
+  m.def("wgrad_gemm_accum_fp32", &p3d::wgrad_gemm_accum_fp32, "main_grad += grad_output^T @ input",
+        py::arg("input"), py::arg("grad_output"), py::arg("main_grad"));
+
+  m.def("bias_gelu_fwd", &p3d::bias_gelu_fwd, py::arg("x"), py::arg("bias"), py::arg("approximate_tanh"));
+  m.def("bias_gelu_bwd", &p3d::bias_gelu_bwd, py::arg("dy"), py::arg("x"), py::arg("bias"),
+        py::arg("approximate_tanh"));
+
+  m.def("bias_swiglu_fwd", &p3d::bias_swiglu_fwd, py::arg("x"), py::arg("bias"));
+  m.def("bias_swiglu_bwd", &p3d::bias_swiglu_bwd, py::arg("dy"), py::arg("x"), py::arg("bias"));
+
+  m.def("bias_dropout_add_fwd", &p3d::bias_dropout_add_fwd, py::arg("x"), py::arg("bias"),
+        py::arg("residual"), py::arg("prob"), py::arg("generator"));
+  m.def("bias_dropout_add_bwd", &p3d::bias_dropout_add_bwd, py::arg("dy"), py::arg("seed_offset"),
+        py::arg("prob"), py::arg("has_bias"));
+
+  m.def("layer_norm_fwd", &p3d::layer_norm_fwd, py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("eps"));
+  m.def("layer_norm_bwd", &p3d::layer_norm_bwd, py::arg("dy"), py::arg("x"), py::arg("mean"),
+        py::arg("rstd"), py::arg("weight"), py::arg("has_bias"));
+  m.def("rms_norm_fwd", &p3d::rms_norm_fwd, py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("rms_norm_bwd", &p3d::rms_norm_bwd, py::arg("dy"), py::arg("x"), py::arg("rstd"),
+        py::arg("weight"));
+
+  m.def("rope_apply", &p3d::rope_apply, py::arg("t"), py::arg("freqs"), py::arg("out"),
+        py::arg("backward"));
+
+  m.def("scaled_upper_triang_masked_softmax_fwd", &p3d::scaled_upper_triang_masked_softmax_fwd,
+        py::arg("x"), py::arg("scale"));
+  m.def("scaled_upper_triang_masked_softmax_bwd", &p3d::scaled_upper_triang_masked_softmax_bwd,
+        py::arg("dy"), py::arg("y"), py::arg("scale"));
+}

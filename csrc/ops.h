@@ -1,0 +1,62 @@
+// Host entry points of the parallel3d CUDA kernels, one group per .cu file.
+// bindings.cpp exposes them to Python as parallel3d._C; the Python wrappers in
+// parallel3d/fused/ validate arguments first and own the autograd logic.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/Generator.h>
+
+#include <optional>
+#include <vector>
+
+namespace p3d {
+
+// grad_accum.cu: main_grad[out, in] += grad_output[N, out]^T @ input[N, in] (fp32 C).
+void wgrad_gemm_accum_fp32(const at::Tensor& input, const at::Tensor& grad_output,
+                           at::Tensor& main_grad);
+
+// bias_gelu.cu
+at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                         bool approximate_tanh);
+std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                      const std::optional<at::Tensor>& bias,
+                                      bool approximate_tanh);
+
+// bias_swiglu.cu: x [..., 2f] -> y [..., f]
+at::Tensor bias_swiglu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias);
+std::vector<at::Tensor> bias_swiglu_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                        const std::optional<at::Tensor>& bias);
+
+// bias_dropout_add.cu: returns {out, seed_offset (int64[2] on the device)}
+std::vector<at::Tensor> bias_dropout_add_fwd(const at::Tensor& x,
+                                             const std::optional<at::Tensor>& bias,
+                                             const at::Tensor& residual, double prob,
+                                             std::optional<at::Generator> generator);
+// returns {dx, dbias (only when has_bias)}
+std::vector<at::Tensor> bias_dropout_add_bwd(const at::Tensor& dy, const at::Tensor& seed_offset,
+                                             double prob, bool has_bias);
+
+// layer_norm.cu: x [rows, h]; returns {y, mean, rstd}
+std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& weight,
+                                       const std::optional<at::Tensor>& bias, double eps);
+// returns {dx, dweight, dbias (only when has_bias)}
+std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                       const at::Tensor& mean, const at::Tensor& rstd,
+                                       const at::Tensor& weight, bool has_bias);
+
+// rms_norm.cu: x [rows, h]; returns {y, rstd}
+std::vector<at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& weight, double eps);
+// returns {dx, dweight}
+std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                     const at::Tensor& rstd, const at::Tensor& weight);
+
+// rope.cu: t and out are [s, b, h, d] views (any strides, last dim contiguous),
+// freqs is float32 [s, 1 or b, rot_dim]; backward applies the transposed rotation.
+void rope_apply(const at::Tensor& t, const at::Tensor& freqs, at::Tensor& out, bool backward);
+
+// softmax.cu: x [attn_batches, sq, sk] with sq == sk, causal mask.
+at::Tensor scaled_upper_triang_masked_softmax_fwd(const at::Tensor& x, double scale);
+at::Tensor scaled_upper_triang_masked_softmax_bwd(const at::Tensor& dy, const at::Tensor& y,
+                                                  double scale);
+
+}  // namespace p3d

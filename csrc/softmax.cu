@@ -1,0 +1,192 @@
+// Scaled upper-triangular (causal) masked softmax, forward and backward, as
+// Megatron's scaled_upper_triang_masked_softmax: x is [attn_batches, sq, sk]
+// with sq == sk; row i of each batch keeps columns j <= i.
+//
+//   forward:  y[i, j] = exp(scale * x[i, j] - m_i) / sum_{k <= i} exp(scale * x[i, k] - m_i)
+//             for j <= i, and 0 for j > i (m_i the row max)
+//   backward: dx[i, j] = scale * y[i, j] * (dy[i, j] - sum_{k <= i} dy[i, k] * y[i, k])
+//
+// fp32 arithmetic for every dtype.  Launch geometry: one block per row,
+// row_threads() threads (about 4 packs each).  Forward reads only the i + 1
+// unmasked entries, once, into a shared-memory fp32 cache (each thread touches
+// only its own packs, so the cache needs no barriers), then takes the max, the
+// exponentials and the sum from the cache and writes the whole row (zeros past
+// the diagonal).  Backward reads y and dy over j <= i for the row sum, re-reads
+// them (L1/L2 hits) to write dx, and writes zeros past the diagonal without
+// reading.  sk up to 16384 (a 64 KB cache).
+#include "common.cuh"
+#include "ops.h"
+
+namespace p3d {
+namespace {
+
+constexpr int64_t kMaxSk = 16384;
+
+template <typename T, int VEC>
+__global__ void causal_softmax_fwd_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows,
+                                          int64_t sq, int64_t sk, float scale) {
+  // Column i * VEC + v is cached at cache[v * nvec + i]: consecutive lanes hit
+  // consecutive words (no bank conflicts).
+  extern __shared__ __align__(16) float cache[];
+  __shared__ float red[32];
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int64_t nvec = sk / VEC;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t len = r % sq + 1;                // unmasked columns [0, len)
+    const int64_t nvalid = (len + VEC - 1) / VEC;  // packs holding unmasked columns
+    const T* xr = x + r * sk;
+    float m = -INFINITY;
+#pragma unroll 4
+    for (int64_t i = tid; i < nvalid; i += nt) {
+      const Pack<T, VEC> p = load_pack<T, VEC>(xr + i * VEC);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const float val = i * VEC + v < len ? static_cast<float>(p.v[v]) * scale : -INFINITY;
+        cache[v * nvec + i] = val;
+        m = fmaxf(m, val);
+      }
+    }
+    m = block_max(m, red);
+    float sum = 0.f;
+#pragma unroll 4
+    for (int64_t i = tid; i < nvalid; i += nt) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const float e = __expf(cache[v * nvec + i] - m);  // exp(-inf) = 0 for masked lanes
+        cache[v * nvec + i] = e;
+        sum += e;
+      }
+    }
+    const float inv = 1.f / block_sum(sum, red);
+    T* yr = y + r * sk;
+#pragma unroll 4
+    for (int64_t i = tid; i < nvec; i += nt) {
+      Pack<T, VEC> o;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) o.v[v] = static_cast<T>(i < nvalid ? cache[v * nvec + i] * inv : 0.f);
+      store_pack<T, VEC>(yr + i * VEC, o);
+    }
+  }
+}
+
+template <typename T, int VEC>
+__global__ void causal_softmax_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ y,
+                                          T* __restrict__ dx, int64_t rows, int64_t sq, int64_t sk,
+                                          float scale) {
+  __shared__ float red[32];
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int64_t nvec = sk / VEC;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t len = r % sq + 1;
+    const int64_t nvalid = (len + VEC - 1) / VEC;
+    const T* yr = y + r * sk;
+    const T* gr = dy + r * sk;
+    float dot = 0.f;
+#pragma unroll 4
+    for (int64_t i = tid; i < nvalid; i += nt) {
+      const Pack<T, VEC> yp = load_pack<T, VEC>(yr + i * VEC);
+      const Pack<T, VEC> gp = load_pack<T, VEC>(gr + i * VEC);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v)
+        if (i * VEC + v < len) dot += static_cast<float>(yp.v[v]) * static_cast<float>(gp.v[v]);
+    }
+    dot = block_sum(dot, red);
+    T* dxr = dx + r * sk;
+#pragma unroll 4
+    for (int64_t i = tid; i < nvec; i += nt) {
+      Pack<T, VEC> o;
+      if (i < nvalid) {
+        const Pack<T, VEC> yp = load_pack<T, VEC>(yr + i * VEC);
+        const Pack<T, VEC> gp = load_pack<T, VEC>(gr + i * VEC);
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          const float yv = static_cast<float>(yp.v[v]);
+          o.v[v] = static_cast<T>(i * VEC + v < len ? scale * yv * (static_cast<float>(gp.v[v]) - dot) : 0.f);
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) o.v[v] = static_cast<T>(0.f);
+      }
+      store_pack<T, VEC>(dxr + i * VEC, o);
+    }
+  }
+}
+
+void check_x(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 3, name,
+              ": expected a contiguous 3-D [attn_batches, sq, sk] CUDA tensor, got ", x.sizes());
+  TORCH_CHECK(x.size(1) == x.size(2), name, ": the causal mask needs sq == sk, got sq = ", x.size(1),
+              ", sk = ", x.size(2));
+  TORCH_CHECK(x.size(2) <= kMaxSk, name, ": sk must be at most ", kMaxSk, ", got ", x.size(2));
+}
+
+template <typename T>
+bool use_vec(int64_t sk, std::initializer_list<const void*> ptrs) {
+  if (sk % vec16<T>() != 0) return false;
+  for (const void* p : ptrs)
+    if (!aligned16(p)) return false;
+  return true;
+}
+
+int64_t grid_rows(int64_t rows) { return rows < (int64_t{1} << 30) ? rows : (int64_t{1} << 30); }
+
+}  // namespace
+
+at::Tensor scaled_upper_triang_masked_softmax_fwd(const at::Tensor& x, double scale) {
+  check_x(x, "scaled_upper_triang_masked_softmax");
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y = new_output(x.sizes(), x.options());
+  if (x.numel() == 0) return y;
+  const int64_t sq = x.size(1), sk = x.size(2), rows = x.size(0) * sq;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  P3D_DISPATCH_FLOATING(x.scalar_type(), "scaled_upper_triang_masked_softmax", [&] {
+    using T = scalar_t;
+    auto launch = [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      auto kernel = causal_softmax_fwd_kernel<T, VEC>;
+      const size_t smem = static_cast<size_t>(sk) * sizeof(float);
+      if (smem > 48 * 1024)
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+      kernel<<<static_cast<unsigned>(grid_rows(rows)), row_threads(sk / VEC, 4), smem, stream>>>(
+          x.data_ptr<T>(), y.data_ptr<T>(), rows, sq, sk, static_cast<float>(scale));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (use_vec<T>(sk, {x.data_ptr(), y.data_ptr()}))
+      launch(std::integral_constant<int, vec16<T>()>{});
+    else
+      launch(std::integral_constant<int, 1>{});
+  });
+  return y;
+}
+
+at::Tensor scaled_upper_triang_masked_softmax_bwd(const at::Tensor& dy, const at::Tensor& y,
+                                                  double scale) {
+  check_x(y, "scaled_upper_triang_masked_softmax backward");
+  TORCH_CHECK(dy.is_contiguous() && dy.sizes() == y.sizes() && dy.scalar_type() == y.scalar_type(),
+              "scaled_upper_triang_masked_softmax backward: grad must be contiguous with y's shape "
+              "and dtype");
+  c10::cuda::CUDAGuard guard(y.device());
+  at::Tensor dx = new_output(y.sizes(), y.options());
+  if (y.numel() == 0) return dx;
+  const int64_t sq = y.size(1), sk = y.size(2), rows = y.size(0) * sq;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  P3D_DISPATCH_FLOATING(y.scalar_type(), "scaled_upper_triang_masked_softmax backward", [&] {
+    using T = scalar_t;
+    auto launch = [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      causal_softmax_bwd_kernel<T, VEC>
+          <<<static_cast<unsigned>(grid_rows(rows)), row_threads(sk / VEC, 4), 0, stream>>>(
+              dy.data_ptr<T>(), y.data_ptr<T>(), dx.data_ptr<T>(), rows, sq, sk,
+              static_cast<float>(scale));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (use_vec<T>(sk, {dy.data_ptr(), y.data_ptr(), dx.data_ptr()}))
+      launch(std::integral_constant<int, vec16<T>()>{});
+    else
+      launch(std::integral_constant<int, 1>{});
+  });
+  return dx;
+}
+
+}  // namespace p3d

@@ -1,0 +1,103 @@
+"""Fused rotary position embedding (non-interleaved, "rotate_half" convention).
+
+Matches Megatron-Core's ``apply_rotary_pos_emb`` (layout "sbhd": t [s, b, h, d],
+freqs [S, 1, 1, rot_dim], or [S, b, 1, rot_dim] for per-sample positions) and HF
+LLaMA's ``apply_rotary_pos_emb`` (layout "bhsd": t [b, h, s, d], with cos/sin =
+cos/sin of freqs [S, rot_dim], [1 or b, S, rot_dim] or [1 or b, 1, S, rot_dim]).  In both,
+freqs are the angles ``cat(inv_freq * pos, inv_freq * pos)``; the first
+``rot_dim`` features of each head rotate as
+
+    out = t * cos(freqs) + rotate_half(t) * sin(freqs),  rotate_half(x) = cat(-x2, x1)
+
+and features past ``rot_dim`` pass through (partial rotary).  Only the first s
+rows of freqs are used (S >= s), like Megatron's fused path.  Arithmetic is fp32
+and the result is rounded once to t's dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from parallel3d.fused import _ext
+
+_LAYOUTS = ("sbhd", "bhsd")
+
+
+def _as_sbhd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t if layout == "sbhd" else t.permute(2, 0, 1, 3)
+
+
+class _RoPEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, freqs3d: torch.Tensor, layout: str) -> torch.Tensor:
+        out = torch.empty_like(t)
+        _ext.get_ext().rope_apply(_as_sbhd(t, layout), freqs3d, _as_sbhd(out, layout), False)
+        ctx.save_for_backward(freqs3d)
+        ctx.layout = layout
+        return out
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (freqs3d,) = ctx.saved_tensors
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        dt = torch.empty_like(dy)
+        _ext.get_ext().rope_apply(_as_sbhd(dy, ctx.layout), freqs3d, _as_sbhd(dt, ctx.layout), True)
+        return dt, None, None
+
+
+def _freqs_3d(t: torch.Tensor, freqs: torch.Tensor, layout: str) -> torch.Tensor:
+    """freqs as [s, bf, rot_dim] (bf = 1 or the batch size), its first s positions."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"apply_rotary_pos_emb: layout must be one of {_LAYOUTS}, got {layout!r}")
+    if t.dim() != 4:
+        raise ValueError(f"apply_rotary_pos_emb: t must be 4-D ({layout}), got shape {tuple(t.shape)}")
+    s, b = (t.shape[0], t.shape[1]) if layout == "sbhd" else (t.shape[2], t.shape[0])
+    d = t.shape[-1]
+    rot = freqs.shape[-1]
+    if rot < 2 or rot % 2 != 0 or rot > d:
+        raise ValueError(f"apply_rotary_pos_emb: rot_dim = freqs.shape[-1] must be even and in [2, {d}], got {rot}")
+    if freqs.dim() == 2:  # [S, rot]
+        f3 = freqs.unsqueeze(1)
+    elif layout == "sbhd" and freqs.dim() == 4 and freqs.shape[2] == 1:  # [S, 1 or b, 1, rot]
+        f3 = freqs.squeeze(2)
+    elif layout == "bhsd" and freqs.dim() == 4 and freqs.shape[1] == 1:  # [1 or b, 1, S, rot]
+        f3 = freqs.squeeze(1).transpose(0, 1)
+    elif layout == "bhsd" and freqs.dim() == 3:  # [1 or b, S, rot]
+        f3 = freqs.transpose(0, 1)
+    else:
+        expected = "[S, 1 or b, 1, rot_dim]" if layout == "sbhd" else "[1 or b, 1, S, rot_dim] or [1 or b, S, rot_dim]"
+        raise ValueError(
+            f"apply_rotary_pos_emb: freqs for layout {layout} must be [S, rot_dim] or {expected}, got {tuple(freqs.shape)}"
+        )
+    if f3.shape[1] not in (1, b):
+        raise ValueError(f"apply_rotary_pos_emb: freqs batch dim must be 1 or {b}, got {f3.shape[1]}")
+    if f3.shape[0] < s:
+        raise ValueError(f"apply_rotary_pos_emb: freqs cover {f3.shape[0]} positions but t has {s}")
+    return f3[:s]
+
+
+def _reference(t: torch.Tensor, f3: torch.Tensor, layout: str) -> torch.Tensor:
+    rot = f3.shape[-1]
+    compute = torch.promote_types(t.dtype, torch.float32)
+    f = f3.to(compute)
+    f = f.unsqueeze(2) if layout == "sbhd" else f.transpose(0, 1).unsqueeze(1)  # broadcastable to t
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    x = t_rot.to(compute)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    out = (x * torch.cos(f) + rotated * torch.sin(f)).to(t.dtype)
+    return torch.cat((out, t_pass), dim=-1)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd") -> torch.Tensor:
+    """Rotate the first ``freqs.shape[-1]`` features of every head of t by the angles in freqs."""
+    f3 = _freqs_3d(t, freqs, layout)
+    if (
+        _ext.use_kernel(t, freqs)
+        and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and t.shape[1 if layout == "sbhd" else 0] <= 65535
+    ):
+        if t.stride(-1) != 1:
+            t = t.contiguous()
+        return _RoPEFunction.apply(t, f3.float().contiguous(), layout)
+    return _reference(t, f3, layout)
