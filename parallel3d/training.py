@@ -370,10 +370,10 @@ def pretrain(
             args.load, model, None if args.no_load_optim else optimizer, scheduler, model_config=model_config,
             load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng,
         )
-        if iteration:
+        if meta:
             consumed_train = meta["extra"].get("consumed_train_samples", iteration * args.global_batch_size)
             consumed_valid = meta["extra"].get("consumed_valid_samples", 0)
-            print_rank_0(f"resumed from {args.load} at iteration {iteration} ({consumed_train} samples consumed)")
+            print_rank_0(f"loaded {args.load} at iteration {iteration} ({consumed_train} samples consumed)")
         else:
             print_rank_0(f"no checkpoint in {args.load}: starting from scratch")
 
