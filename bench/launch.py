@@ -16,11 +16,12 @@ MEGATRON = next((p for p in (os.path.join(ROOT, ".whl", "anchors", "megatron_gpt
 
 
 def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: str,
-        timeout: int = 300) -> Optional[dict]:
+        timeout: Optional[int] = None) -> Optional[dict]:
     """torchrun ``script`` with ``args``; the parsed RESULT_JSON, or None (the log says why)."""
     if script is None:
         print(f"{name}: runner not found, skipped", flush=True)
         return None
+    timeout = timeout or int(os.environ.get("BENCH_TIMEOUT", "300"))
     os.makedirs(log_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script] + args
     log = os.path.join(log_dir, f"{name}.log")

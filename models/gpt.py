@@ -67,10 +67,8 @@ _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 
 
 # --- fused-op wrappers --------------------------------------------------------------------------
-# The model calls the public names (bias_gelu, ...) where the matching config flag is on and the
-# _plain_* versions where it is off. parallel3d.fused (the CUDA kernels with PyTorch fallbacks)
-# did not exist when this file was written, so each public name is bound to its plain version
-# below; switching to the kernels = binding these names to parallel3d.fused's.
+# The model calls parallel3d.fused's ops (CUDA kernels, with PyTorch fallbacks off the GPU) where
+# the matching config flag is on, and these _plain_* compositions where it is off.
 
 def _plain_bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "tanh") -> torch.Tensor:
     """GeLU of x + bias; "tanh" is Megatron's fused formula and HF GPT-2's gelu_new, "none" is erf."""
@@ -123,13 +121,15 @@ def _plain_scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float) -> 
     return torch.softmax((x * scale).masked_fill(future, float("-inf")), dim=-1)
 
 
-bias_gelu = _plain_bias_gelu
-bias_swiglu = _plain_bias_swiglu
-bias_dropout_add = _plain_bias_dropout_add
-layer_norm = _plain_layer_norm
-rms_norm = _plain_rms_norm
-apply_rotary_pos_emb = _plain_apply_rotary_pos_emb
-scaled_upper_triang_masked_softmax = _plain_scaled_upper_triang_masked_softmax
+from parallel3d.fused import (  # noqa: E402 - the kernels (with their own fallbacks) where a flag is on
+    apply_rotary_pos_emb,
+    bias_dropout_add,
+    bias_gelu,
+    bias_swiglu,
+    layer_norm,
+    rms_norm,
+    scaled_upper_triang_masked_softmax,
+)
 
 
 # --- helpers ------------------------------------------------------------------------------------
