@@ -668,6 +668,19 @@ class GPTModel(nn.Module):
         """Global 0-based index of ``decoder.layers.{local_index}``."""
         return self.layer_numbers[local_index]
 
+    def global_parameter_name(self, name: str) -> str:
+        """The whole (single-chunk) model's name of this chunk's parameter ``name``.
+
+        Local layer indices become global ones; a tied output layer (the last stage's
+        copy) is the embedding it mirrors.
+        """
+        if name.startswith("decoder.layers."):
+            local, rest = name[len("decoder.layers."):].split(".", 1)
+            return f"decoder.layers.{self.global_layer_index(int(local))}.{rest}"
+        if name == "output_layer.weight" and self.share_embeddings_and_output_weights:
+            return "embedding.word_embeddings.weight"
+        return name
+
     # --- forward --------------------------------------------------------------------------------
     def _check_inputs(self, input_ids, position_ids, attention_mask, labels, loss_mask) -> tuple[int, int]:
         """(batch, full sequence length), after checking every shape against the config."""

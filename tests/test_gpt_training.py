@@ -93,16 +93,6 @@ def _train(args, dataset_size=GBS * ITERS * 2):
     return result
 
 
-def _full_name(chunk, name):
-    """The single-process parameter name of a chunk's parameter."""
-    if name.startswith("decoder.layers."):
-        local, rest = name[len("decoder.layers."):].split(".", 1)
-        return f"decoder.layers.{chunk.global_layer_index(int(local))}.{rest}"
-    if name == "output_layer.weight" and chunk.share_embeddings_and_output_weights:
-        return "embedding.word_embeddings.weight"
-    return name
-
-
 def _reference(family):
     args = _args(family)
     result = _train(args)
@@ -128,7 +118,7 @@ def _sweep(rank, world_size, refs):
             for chunk in result["model"]:
                 module = chunk.module
                 for name, p in module.named_parameters():
-                    full = ref_weights[_full_name(module, name)]
+                    full = ref_weights[module.global_parameter_name(name)]
                     if getattr(p, "tensor_model_parallel", False):
                         want = split_tensor_for_rank(full, p.partition_dim, p.partition_stride, tp_rank, tp,
                                                      padded_size=p.size(p.partition_dim) * tp)

@@ -19,6 +19,7 @@ import models.gpt as gpt_module
 from models import GPTModel, gather_logits, gpt2_config, llama_config, llama_ffn_hidden_size
 from parallel3d import parallel_state as ps
 from parallel3d import tensor_parallel as tp
+from parallel3d.tensor_parallel import split_tensor_for_rank
 from parallel3d.testing import run_distributed
 
 ATOL = 1e-5
@@ -208,15 +209,6 @@ def test_recompute_reproduces_loss_and_grads_with_dropout(family):
 
 # ------------------------------------------------------------------ pipeline split in one process
 
-def _stage_to_full_name(stage, name):
-    if name.startswith("decoder.layers."):
-        local, rest = name[len("decoder.layers."):].split(".", 1)
-        return f"decoder.layers.{stage.global_layer_index(int(local))}.{rest}"
-    if name == "output_layer.weight" and stage.share_embeddings_and_output_weights:
-        return "embedding.word_embeddings.weight"
-    return name
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_pipeline_stages_chained_by_hand_match_full_model(family):
     full_cfg = _config(family, num_layers=4)
@@ -239,7 +231,7 @@ def test_pipeline_stages_chained_by_hand_match_full_model(family):
                   for k, r in enumerate(ranges)]
         for stage in stages:  # layout independence: the stages hold exactly the full model's values
             for name, p in stage.named_parameters():
-                assert torch.equal(p, full_params[_stage_to_full_name(stage, name)]), f"{what}: {name} differs"
+                assert torch.equal(p, full_params[stage.global_parameter_name(name)]), f"{what}: {name} differs"
 
         # Forward stage by stage (stage k's output is stage k+1's input), then backward in reverse.
         inputs, outputs = [None], []
@@ -259,7 +251,7 @@ def test_pipeline_stages_chained_by_hand_match_full_model(family):
         grads = {}
         for stage in stages:
             for name, p in stage.named_parameters():
-                full_name = _stage_to_full_name(stage, name)
+                full_name = stage.global_parameter_name(name)
                 grads[full_name] = grads.get(full_name, 0) + p.grad  # the tied weight: first + last stage
         assert grads.keys() == ref_grads.keys(), f"{what}: parameters differ"
         for name, g in ref_grads.items():
@@ -361,23 +353,11 @@ def test_bf16_parameters_fp32_loss():
 # ------------------------------------------------------------------ tensor + sequence parallel
 
 def _shard_of(full, param, rank, world):
-    """The part of the full (TP=1) tensor that this rank's shard ``param`` holds.
-
-    Uses Megatron's attributes: the partition dim is seen as ``partition_stride`` blocks
-    (SwiGLU's [gate; up]) and rank r holds its slice of every block. linear_qkv needs no
-    special case: its rows are grouped per query group and TP ranks hold whole groups.
-    A padded vocabulary grows with TP; the extra rows are zero.
-    """
+    """The part of the full (TP=1) tensor that this rank's shard ``param`` holds (padding rows zero)."""
     if not getattr(param, "tensor_model_parallel", False) or world == 1:
         return full
-    dim, stride = param.partition_dim, param.partition_stride
-    size = param.size(dim) * world
-    if full.size(dim) < size:
-        pad_shape = list(full.shape)
-        pad_shape[dim] = size - full.size(dim)
-        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
-    pieces = torch.split(full, size // (stride * world), dim=dim)
-    return torch.cat(pieces[rank::world], dim=dim)
+    return split_tensor_for_rank(full, param.partition_dim, param.partition_stride, rank, world,
+                                 padded_size=param.size(param.partition_dim) * world)
 
 
 _SWEEP = [  # (family, overrides, [(tp, sp), ...])
