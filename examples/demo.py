@@ -52,12 +52,12 @@ def main() -> int:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nproc, parallel = layout(gpus)
-    gpu_args = ["--bf16", "--micro-batch-size", "8", "--train-iters", "600"] if gpus else []
+    gpu_args = ["--bf16", "--micro-batch-size", "8", "--train-iters", "1000"] if gpus else []
     args = parallel + [
         "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
-        "--micro-batch-size", "4", "--global-batch-size", "32", "--train-iters", "150", "--lr", "3e-3",
-        "--min-lr", "3e-4", "--lr-warmup-iters", "10", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
-        "--log-interval", "10", "--eval-interval", "50", "--eval-iters", "2",
+        "--micro-batch-size", "4", "--global-batch-size", "32", "--train-iters", "300", "--lr", "5e-3",
+        "--min-lr", "5e-4", "--lr-warmup-iters", "20", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+        "--log-interval", "25", "--eval-interval", "100", "--eval-iters", "2",
         "--save", os.path.join(os.getcwd(), "demo_checkpoint"),
         "--sample-prompt", "The try statement", "--sample-tokens", "80",
     ] + gpu_args + sys.argv[1:]  # later flags win: the user's, then the GPU ones
