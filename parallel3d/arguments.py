@@ -67,7 +67,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with GPUs, gloo without")
-    g.add_argument("--deallocate-pipeline-outputs", action="store_true", default=True)
+    g.add_argument("--no-deallocate-pipeline-outputs", dest="deallocate_pipeline_outputs", action="store_false",
+                   help="keep the data of activations sent to the next stage (GPT stage outputs are residual "
+                        "adds, so freeing them is safe and the default)")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
