@@ -23,11 +23,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from parallel3d import parallel_state as ps
-from parallel3d import tensor_parallel as tp
 from parallel3d.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -36,36 +34,14 @@ from parallel3d.distributed import (
     get_megatron_optimizer,
 )
 from parallel3d.testing import run_distributed
+from blocks import H, DenseBlock, ParallelBlock
 
-H, FFN, S, B_MICRO, STEPS = 16, 32, 8, 2, 3
-CPU = torch.device("cpu")
+S, B_MICRO, STEPS = 8, 2, 3
 
 
 class Config:
     def __init__(self, calculate_per_token_loss=False):
         self.calculate_per_token_loss = calculate_per_token_loss
-
-
-class ParallelBlock(nn.Module):
-    def __init__(self, sp, dtype):
-        super().__init__()
-        self.norm = nn.LayerNorm(H, dtype=dtype)
-        for p in self.norm.parameters():
-            p.sequence_parallel = sp
-        self.fc1 = tp.ColumnParallelLinear(H, FFN, sequence_parallel=sp, params_dtype=dtype, device=CPU)
-        self.fc2 = tp.RowParallelLinear(FFN, H, sequence_parallel=sp, params_dtype=dtype, device=CPU)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))[0]))[0]
-
-
-class DenseBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm, self.fc1, self.fc2 = nn.LayerNorm(H), nn.Linear(H, FFN), nn.Linear(FFN, H)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
 
 
 class Net(nn.Module):

@@ -27,29 +27,9 @@ from parallel3d.distributed import (
     get_megatron_optimizer,
 )
 from parallel3d.testing import run_distributed
+from blocks import CPU, H, DenseBlock, ParallelBlock
 
-H, FFN, V, S, B_MICRO = 16, 32, 24, 8, 2
-CPU = torch.device("cpu")
-
-
-class Block(nn.Module):
-    def __init__(self, dtype=torch.float32):
-        super().__init__()
-        self.norm = nn.LayerNorm(H, dtype=dtype)
-        self.fc1 = tp.ColumnParallelLinear(H, FFN, params_dtype=dtype, device=CPU)
-        self.fc2 = tp.RowParallelLinear(FFN, H, params_dtype=dtype, device=CPU)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))[0]))[0]
-
-
-class DenseBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm, self.fc1, self.fc2 = nn.LayerNorm(H), nn.Linear(H, FFN), nn.Linear(FFN, H)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+V, S, B_MICRO = 24, 8, 2
 
 
 class DenseTiedLM(nn.Module):
@@ -73,7 +53,7 @@ class FirstStage(nn.Module):
     def __init__(self):
         super().__init__()
         self.embedding = tp.VocabParallelEmbedding(V, H, make_vocab_size_divisible_by=1, device=CPU)
-        self.block0 = Block()
+        self.block0 = ParallelBlock()
 
     def shared_embedding_or_output_weight(self):
         return self.embedding.weight
@@ -87,7 +67,7 @@ class LastStage(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.block1 = Block()
+        self.block1 = ParallelBlock()
         # The last stage's copy of the word embedding is the output layer's weight (Megatron's layout): it
         # comes last in parameter order here and first in the buffer, the embedding on stage 0 comes last.
         self.output_layer = tp.ColumnParallelLinear(H, V, bias=False, device=CPU)
@@ -178,7 +158,7 @@ def _tied_pipeline_case(zero):
 def _fp16_overflow_case(zero):
     """An Inf on one rank skips the step everywhere; the scale halves after `hysteresis` overflows."""
     torch.manual_seed(11)
-    model = nn.Sequential(Block(torch.float16), Block(torch.float16))
+    model = nn.Sequential(ParallelBlock(dtype=torch.float16), ParallelBlock(dtype=torch.float16))
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(grad_reduce_in_fp32=True, bucket_size=500,
                                                                       use_distributed_optimizer=zero))
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, fp16=True, params_dtype=torch.float16,
@@ -258,7 +238,7 @@ def _train_steps(ddp, opt, dp_group, steps):
 
 def _make(dp_group, zero, seed, dtype):
     torch.manual_seed(seed)
-    model = nn.Sequential(Block(dtype), Block(dtype))
+    model = nn.Sequential(ParallelBlock(dtype=dtype), ParallelBlock(dtype=dtype))
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(grad_reduce_in_fp32=True, bucket_size=300,
                                                                       use_distributed_optimizer=zero), dp_group)
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=dtype == torch.bfloat16, params_dtype=dtype,

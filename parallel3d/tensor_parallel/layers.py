@@ -27,7 +27,6 @@ from .mappings import (
     gather_along_first_dim,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
-    reduce_scatter_along_first_dim,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
