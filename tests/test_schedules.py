@@ -321,3 +321,15 @@ def test_png(tmp_path):
     assert visualize.main(["--schedule", "interleaved-1f1b", "--stages", "4", "--microbatches", "8",
                            "--chunks", "2", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_validator_requires_one_batch_per_direction_on_both_sides():
+    """Two activations sent in one batch but received in two: fine for a rendezvous, but shape
+    headers sent ahead of the data would then interleave differently on the two sides (NCCL)."""
+    A = Action
+    rank0 = [A("F", 0, 0), A("F", 1, 0), A("SEND_F", 0, 0, 1), A("SEND_F", 1, 0, 1), A("RECV_B", 0, 0, 1),
+             A("B", 0, 0), A("RECV_B", 1, 0, 1), A("B", 1, 0)]
+    rank1 = [A("RECV_F", 0, 0, 0), A("F", 0, 0), A("RECV_F", 1, 0, 0), A("F", 1, 0), A("B", 0, 0),
+             A("SEND_B", 0, 0, 0), A("B", 1, 0), A("SEND_B", 1, 0, 0)]
+    with pytest.raises(ScheduleError, match="in the same direction"):
+        validate(Schedule("split", 2, 2, 1, [rank0, rank1]))

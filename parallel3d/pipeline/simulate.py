@@ -256,9 +256,40 @@ def _check_and_match(schedule: Schedule) -> dict[Slot, Slot]:
     return _match_messages(schedule)
 
 
+def _check_batches_pair_up(schedule: Schedule, partner: dict[Slot, Slot]) -> None:
+    """What one batch sends to a peer, the peer receives in one batch (and vice versa).
+
+    The executor may exchange shape headers in a batch of their own before the data
+    (variable_seq_lengths); on a backend that matches a pair's messages in order (NCCL)
+    the headers and data of two batches must then not interleave differently on the
+    two sides, which this rules out.
+    """
+    batch_of: dict[Slot, int] = {}
+    for rank in range(schedule.num_stages):
+        b, prev_comm = -1, False
+        for i, a in enumerate(schedule.actions[rank]):
+            if a.is_comm and not prev_comm:
+                b += 1
+            prev_comm = a.is_comm
+            if a.is_comm:
+                batch_of[(rank, i)] = b
+    seen: dict[tuple[int, int, int, bool], tuple[int, Slot]] = {}
+    for (rank, i), (peer, j) in partner.items():
+        key = (rank, batch_of[(rank, i)], peer, schedule.actions[rank][i].kind.startswith("SEND"))
+        other = batch_of[(peer, j)]
+        if key in seen and seen[key][0] != other:
+            first = seen[key][1]
+            raise ScheduleError(
+                f"{_where(rank, i, schedule.actions[rank][i])}: one batch of rank {rank} exchanges "
+                f"{schedule.actions[rank][first[1]]} and {schedule.actions[rank][i]} with rank {peer} in the same "
+                f"direction, which rank {peer} handles in two different batches; in-order matching needs one")
+        seen.setdefault(key, (other, (rank, i)))
+
+
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError unless the schedule is complete, correctly matched and deadlock-free."""
     partner = _check_and_match(schedule)
+    _check_batches_pair_up(schedule, partner)
     _run(schedule, partner, lambda rank, action: 1.0, 0.0)
 
 
