@@ -163,33 +163,45 @@ def build_data_iterators(datasets_provider: Callable, args: argparse.Namespace, 
 # --------------------------------------------------------------------------------------- steps
 
 
-def _average_losses(losses: list[dict[str, Any]]) -> dict[str, float]:
-    """Mean of each reported value over microbatches (last stage) and over DP; broadcast to all ranks."""
-    keys = sorted(losses[0]) if losses else []
-    vec = torch.tensor([float(sum(_as_float(d[k]) for d in losses) / max(len(losses), 1)) for k in keys]
-                       + [1.0 if losses else 0.0], dtype=torch.float64, device=device())
-    names = [None]
-    if dist.is_initialized():
-        # Only the last stage has losses: sum over the world and divide by how many reported.
-        if is_last_rank():
-            names = [keys]
-        dist.broadcast_object_list(names, src=dist.get_world_size() - 1)
-        keys = names[0]
-        if not losses:
-            vec = torch.zeros(len(keys) + 1, dtype=torch.float64, device=device())
-        dist.all_reduce(vec)
-    count = max(vec[-1].item(), 1.0)
-    return {k: vec[i].item() / count for i, k in enumerate(keys)}
+class LossAverager:
+    """Mean of each reported loss over microbatches (last stage) and DP, available on every rank.
+
+    Only the last pipeline stage has losses; their names travel to the other ranks once
+    (the first call), after which each call is one small all-reduce and one host copy.
+    """
+
+    def __init__(self) -> None:
+        self.keys: Optional[list[str]] = None
+
+    def __call__(self, losses: list[dict[str, Any]]) -> dict[str, float]:
+        if self.keys is None:
+            names = [sorted(losses[0]) if losses else None]
+            if dist.is_initialized():
+                dist.broadcast_object_list(names, src=dist.get_world_size() - 1)
+            self.keys = names[0] or []
+        dev = device()
+        if losses:
+            per_key = [torch.stack([_as_tensor(d[k], dev) for d in losses]).mean() for k in self.keys]
+            vec = torch.stack(per_key + [torch.ones((), dtype=torch.float64, device=dev)])
+        else:
+            vec = torch.zeros(len(self.keys) + 1, dtype=torch.float64, device=dev)
+        if dist.is_initialized():
+            dist.all_reduce(vec)  # sum over the ranks that reported, divided by their count below
+        values = vec.tolist()
+        count = max(values[-1], 1.0)
+        return {k: values[i] / count for i, k in enumerate(self.keys)}
 
 
-def _as_float(x: Any) -> float:
-    if isinstance(x, (tuple, list)):  # (sum, count) pairs, as Megatron's per-token losses
-        return float(x[0]) / max(float(x[1]), 1.0)
-    return float(x.detach().float().item() if torch.is_tensor(x) else x)
+def _as_tensor(x: Any, dev: torch.device) -> torch.Tensor:
+    """A reported value as a float64 scalar on ``dev``: a tensor, a number, or a (sum, count) pair."""
+    if isinstance(x, (tuple, list)):  # Megatron's per-token losses
+        return _as_tensor(x[0], dev) / _as_tensor(x[1], dev).clamp(min=1.0)
+    return torch.as_tensor(x, dtype=torch.float64, device=dev).detach().reshape(())
 
 
 def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list, optimizer: Any,
-               scheduler: Any, args: argparse.Namespace, stats: Optional[list] = None
+               scheduler: Any, args: argparse.Namespace, stats: Optional[list] = None,
+               average_losses: Optional[LossAverager] = None
                ) -> tuple[dict[str, float], bool, Optional[float]]:
     """One iteration; ``stats`` (a list) receives the executor's per-action timings."""
     for chunk in model:
@@ -208,14 +220,15 @@ def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
-    return _average_losses(losses), not update_successful, grad_norm
+    return (average_losses or LossAverager())(losses), not update_successful, grad_norm
 
 
 def evaluate(forward_step_func: Callable, data_iterator: Sequence, model: list,
-             args: argparse.Namespace) -> dict[str, float]:
+             args: argparse.Namespace, average_losses: Optional[LossAverager] = None) -> dict[str, float]:
     for chunk in model:
         chunk.eval()
     forward_backward = get_forward_backward_func()
+    average_losses = average_losses or LossAverager()
     totals: dict[str, float] = {}
     with torch.no_grad():
         for _ in range(args.eval_iters):
@@ -224,7 +237,7 @@ def evaluate(forward_step_func: Callable, data_iterator: Sequence, model: list,
                 num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=True, pipeline_dtype=params_dtype(args),
             )
-            for k, v in _average_losses(losses).items():
+            for k, v in average_losses(losses).items():
                 totals[k] = totals.get(k, 0.0) + v / args.eval_iters
     for chunk in model:
         chunk.train()
@@ -390,10 +403,12 @@ def pretrain(
         print_rank_0(f"saved checkpoint of iteration {it} to {args.save}")
 
     last_saved = None
+    train_losses, eval_losses = LossAverager(), LossAverager()
     for chunk in model:
         chunk.train()
     while iteration < args.train_iters:
-        loss, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler, args)
+        loss, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler, args,
+                                              average_losses=train_losses)
         iteration += 1
         consumed_train += args.global_batch_size
         history.append(loss)
@@ -403,7 +418,7 @@ def pretrain(
             logger.log(iteration, optimizer.param_groups[0]["lr"], grad_norm,
                        float(scale) if scale is not None else None)
         if any(v is not None for v in valid_iter) and args.eval_interval and iteration % args.eval_interval == 0:
-            logger.log_eval(iteration, evaluate(forward_step_func, valid_iter, model, args))
+            logger.log_eval(iteration, evaluate(forward_step_func, valid_iter, model, args, eval_losses))
             consumed_valid += args.eval_iters * args.global_batch_size
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             save(iteration)
