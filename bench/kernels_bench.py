@@ -1,6 +1,6 @@
 """Time parallel3d's fused CUDA kernels against torch eager, torch.compile and Liger-Kernel.
 
-    PARALLEL3D_JIT=1 python3 bench/kernels_bench.py [--out bench.md] [--quick]
+    PARALLEL3D_JIT=1 python3 bench/kernels_bench.py [--out bench.md] [--quick] [--only norm,rope]
 
 For every op, at real sizes in bf16, forward and backward are timed separately
 (median of triton.testing.do_bench, CUDA events).  Backward is
@@ -237,7 +237,7 @@ def cases(quick: bool, tiny: bool):
             return [q, k, emb[:, None, None, :].contiguous(), emb.cos().to(DT), emb.sin().to(DT)]
 
         impls = {
-            "ours": lambda q, k, fr, c, si: (fused.apply_rotary_pos_emb(q, fr), fused.apply_rotary_pos_emb(k, fr)),
+            "ours": lambda q, k, fr, c, si: fused.apply_rotary_pos_emb_qk(q, k, fr),
             "eager": lambda q, k, fr, c, si: (eager_rope(q, fr), eager_rope(k, fr)),
             "compile": compiled(lambda q, k, fr, c, si: (eager_rope(q, fr), eager_rope(k, fr))),
         }
@@ -287,6 +287,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the markdown table here too")
     ap.add_argument("--quick", action="store_true", help="one size per op")
     ap.add_argument("--tiny", action="store_true", help="toy sizes, to check the script itself (runs on CPU too)")
+    ap.add_argument("--only", default="", help="comma-separated substrings: time only the ops whose name has one "
+                    "(e.g. norm,softmax,wgrad)")
     args = ap.parse_args()
     global DEV
     if args.tiny and not torch.cuda.is_available():
@@ -308,12 +310,19 @@ def main() -> None:
     log(f"device: {card}; torch {torch.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
     if not HAVE_LIGER:
         log(f"liger-kernel not importable: {LIGER_ERROR}")
+    only = [w for w in args.only.split(",") if w]
+
+    def wanted(op: str) -> bool:
+        return not only or any(w in op for w in only)
+
     rows = []
     for case in cases(args.quick, args.tiny):
+        if not wanted(case.op):
+            continue
         run_case(case, bw, rows, log)
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    wg = bench_wgrad(log, args.quick, args.tiny)
+    wg = bench_wgrad(log, args.quick, args.tiny) if wanted("wgrad") else []
 
     peers = ["eager", "compile", "liger"]
     lines = [

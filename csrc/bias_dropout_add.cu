@@ -5,8 +5,13 @@
 //             dbias = sum over rows of dx
 //
 // Randomness contract.  The mask is a pure function of (seed, offset, element
-// index): element e keeps its value iff u(e) >= p, where u(e) comes from
-// Philox4x32-10 with key = seed and counter = (e / 4, offset), lane e % 4.
+// index): element e keeps its value iff u(e) >= t, where u(e) is a 16-bit
+// uniform, half e % 2 (low half first) of word (e % 8) / 2 of Philox4x32-10
+// with key = seed and counter = (e / 8, offset), and t = round(p * 65536).  So
+// the keep probability is 1 - p rounded to a multiple of 2^-16 (FlashAttention
+// rounds it to 2^-8), while the scale stays exactly 1 / (1 - p).  Sixteen bits
+// per element halve the Philox work against one 32-bit word per element; at
+// bf16 sizes that work, not memory, bounded the backward pass.
 // (seed, offset) come from the CUDA generator passed in (the device's default
 // generator when none is), through philox_cuda_state(), exactly as PyTorch's
 // own dropout draws them; each call advances the generator's offset by 4.  So
@@ -22,6 +27,7 @@
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/PhiloxUtils.cuh>
 
+#include <cmath>
 #include <mutex>
 
 #include "common.cuh"
@@ -45,46 +51,37 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
   return ctr;
 }
 
-__device__ __forceinline__ float to_uniform(uint32_t r) {
-  return static_cast<float>(r >> 8) * (1.f / 16777216.f);  // 24 bits -> [0, 1)
+__device__ __forceinline__ uint4 philox_block(uint64_t seed, uint64_t offset, uint64_t block) {
+  return philox4x32_10(make_uint4(static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                                  static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32)),
+                       make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)));
 }
 
 // Keep flags for the VEC consecutive elements starting at flat index e0.
-// VEC is 1 or a multiple of 4 with e0 % 4 == 0 (the vectorised path).
+// VEC is 1, or 4 or 8 with e0 % VEC == 0 (the vectorised paths); a Philox
+// block of 128 bits covers 8 elements.
 template <int VEC>
-__device__ __forceinline__ void keep_flags(uint64_t seed, uint64_t offset, int64_t e0, float p,
-                                           bool (&keep)[VEC]) {
-  const uint2 key = make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
-  if (VEC == 1) {
-    const uint64_t grp = static_cast<uint64_t>(e0) >> 2;
-    const uint4 r = philox4x32_10(make_uint4(static_cast<uint32_t>(grp), static_cast<uint32_t>(grp >> 32),
-                                             static_cast<uint32_t>(offset),
-                                             static_cast<uint32_t>(offset >> 32)),
-                                  key);
-    const int lane = static_cast<int>(e0 & 3);
-    const uint32_t x = lane == 0 ? r.x : lane == 1 ? r.y : lane == 2 ? r.z : r.w;
-    keep[0] = to_uniform(x) >= p;
-  } else {
+__device__ __forceinline__ void keep_flags(uint64_t seed, uint64_t offset, int64_t e0,
+                                           uint32_t threshold, bool (&keep)[VEC]) {
+  static_assert(VEC == 1 || VEC == 4 || VEC == 8, "keep_flags: VEC must be 1, 4 or 8");
+  const uint4 r = philox_block(seed, offset, static_cast<uint64_t>(e0) >> 3);
+  // Position of the first element in its block of 8: 0 for VEC == 8; selects,
+  // not an indexed array, so that nothing spills to local memory.
+  const int first = VEC == 8 ? 0 : static_cast<int>(e0 & 7);
 #pragma unroll
-    for (int q = 0; q < VEC / 4; ++q) {
-      const uint64_t grp = (static_cast<uint64_t>(e0) >> 2) + q;
-      const uint4 r = philox4x32_10(make_uint4(static_cast<uint32_t>(grp), static_cast<uint32_t>(grp >> 32),
-                                               static_cast<uint32_t>(offset),
-                                               static_cast<uint32_t>(offset >> 32)),
-                                    key);
-      keep[4 * q + 0] = to_uniform(r.x) >= p;
-      keep[4 * q + 1] = to_uniform(r.y) >= p;
-      keep[4 * q + 2] = to_uniform(r.z) >= p;
-      keep[4 * q + 3] = to_uniform(r.w) >= p;
-    }
+  for (int v = 0; v < VEC; ++v) {
+    const int e = first + v;
+    const uint32_t word = e < 2 ? r.x : e < 4 ? r.y : e < 6 ? r.z : r.w;
+    const uint32_t u16 = (e & 1) ? word >> 16 : word & 0xFFFFu;
+    keep[v] = u16 >= threshold;
   }
 }
 
 template <typename T, int VEC, bool DROP>
 __global__ void bias_dropout_add_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                             const T* __restrict__ residual, T* __restrict__ out,
-                                            int64_t rows, int64_t cols, float p,
-                                            at::PhiloxCudaState philox,
+                                            int64_t rows, int64_t cols, uint32_t threshold,
+                                            float scale, at::PhiloxCudaState philox,
                                             int64_t* __restrict__ seed_offset) {
   uint64_t seed = 0, offset = 0;
   if (DROP) {
@@ -98,7 +95,6 @@ __global__ void bias_dropout_add_fwd_kernel(const T* __restrict__ x, const T* __
   }
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * VEC;
   if (col >= cols) return;
-  const float scale = DROP ? 1.f / (1.f - p) : 1.f;
   float b[VEC];
   if (bias != nullptr) {
     const Pack<T, VEC> bp = load_pack<T, VEC>(bias + col);
@@ -116,7 +112,7 @@ __global__ void bias_dropout_add_fwd_kernel(const T* __restrict__ x, const T* __
     const Pack<T, VEC> rp = load_pack<T, VEC>(residual + e0);
     bool keep[VEC];
     if (DROP) {
-      keep_flags<VEC>(seed, offset, e0, p, keep);
+      keep_flags<VEC>(seed, offset, e0, threshold, keep);
     } else {
 #pragma unroll
       for (int v = 0; v < VEC; ++v) keep[v] = true;
@@ -134,12 +130,11 @@ __global__ void bias_dropout_add_fwd_kernel(const T* __restrict__ x, const T* __
 template <typename T, int VEC>
 __global__ void bias_dropout_add_bwd_kernel(const T* __restrict__ dy, T* __restrict__ dx,
                                             float* __restrict__ dbias_part, int64_t rows,
-                                            int64_t cols, float p,
+                                            int64_t cols, uint32_t threshold, float scale,
                                             const int64_t* __restrict__ seed_offset) {
   __shared__ float sm[8 * 32 * VEC];
   const uint64_t seed = static_cast<uint64_t>(seed_offset[0]);
   const uint64_t offset = static_cast<uint64_t>(seed_offset[1]);
-  const float scale = 1.f / (1.f - p);
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * VEC;
   float acc[VEC];
 #pragma unroll
@@ -151,7 +146,7 @@ __global__ void bias_dropout_add_bwd_kernel(const T* __restrict__ dy, T* __restr
       const int64_t e0 = r * cols + col;
       const Pack<T, VEC> gp = load_pack<T, VEC>(dy + e0);
       bool keep[VEC];
-      keep_flags<VEC>(seed, offset, e0, p, keep);
+      keep_flags<VEC>(seed, offset, e0, threshold, keep);
       Pack<T, VEC> op;
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
@@ -163,6 +158,13 @@ __global__ void bias_dropout_add_bwd_kernel(const T* __restrict__ dy, T* __restr
     }
   }
   if (dbias_part != nullptr) write_block_partial<VEC>(acc, sm, dbias_part + blockIdx.y * cols, cols);
+}
+
+// Elements whose 16-bit uniform is below this are dropped: round(p * 2^16),
+// at most 65535 since p < 1.
+uint32_t dropout_threshold(double prob) {
+  const double t = std::nearbyint(prob * 65536.0);
+  return static_cast<uint32_t>(t < 0.0 ? 0.0 : (t > 65535.0 ? 65535.0 : t));
 }
 
 template <typename T>
@@ -209,7 +211,8 @@ std::vector<at::Tensor> bias_dropout_add_fwd(const at::Tensor& x,
     philox = gen->philox_cuda_state(4);
   }
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const float p = static_cast<float>(prob);
+  const uint32_t threshold = dropout_threshold(prob);
+  const float scale = drop ? static_cast<float>(1.0 / (1.0 - prob)) : 1.f;
   P3D_DISPATCH_FLOATING(x.scalar_type(), "bias_dropout_add", [&] {
     using T = scalar_t;
     const T* bp = bias ? bias->data_ptr<T>() : nullptr;
@@ -218,7 +221,7 @@ std::vector<at::Tensor> bias_dropout_add_fwd(const at::Tensor& x,
       constexpr bool DROP = decltype(drop_tag)::value;
       const RowColGrid g = row_col_grid(rows, cols / VEC);
       bias_dropout_add_fwd_kernel<T, VEC, DROP><<<g.grid, g.block, 0, stream>>>(
-          x.data_ptr<T>(), bp, residual.data_ptr<T>(), out.data_ptr<T>(), rows, cols, p, philox,
+          x.data_ptr<T>(), bp, residual.data_ptr<T>(), out.data_ptr<T>(), rows, cols, threshold, scale, philox,
           seed_offset.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
@@ -250,7 +253,8 @@ std::vector<at::Tensor> bias_dropout_add_bwd(const at::Tensor& dy, const at::Ten
     return out;
   }
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const float p = static_cast<float>(prob);
+  const uint32_t threshold = dropout_threshold(prob);
+  const float scale = static_cast<float>(1.0 / (1.0 - prob));
   at::Tensor part;
   P3D_DISPATCH_FLOATING(dy.scalar_type(), "bias_dropout_add backward", [&] {
     using T = scalar_t;
@@ -260,7 +264,7 @@ std::vector<at::Tensor> bias_dropout_add_bwd(const at::Tensor& dy, const at::Ten
       if (has_bias) part = new_output({static_cast<int64_t>(g.grid.y), cols}, dy.options().dtype(at::kFloat));
       bias_dropout_add_bwd_kernel<T, VEC><<<g.grid, g.block, 0, stream>>>(
           dy.data_ptr<T>(), dx.data_ptr<T>(), has_bias ? part.data_ptr<float>() : nullptr, rows,
-          cols, p, seed_offset.data_ptr<int64_t>());
+          cols, threshold, scale, seed_offset.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (use_vec<T>(cols, {dy.data_ptr(), dx.data_ptr()}))

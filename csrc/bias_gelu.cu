@@ -3,12 +3,12 @@
 //   forward:  y  = gelu(x + bias)
 //   backward: dx = dy * gelu'(x + bias),  dbias = sum over rows of dx
 //
-// x is viewed as [rows, cols] with the bias broadcast over rows.  Launch
-// geometry (row_col_grid in common.cuh): block (32, 8) over (column packs,
-// rows); a thread keeps its columns' bias in registers for all of its rows and,
-// in backward, accumulates its columns' bias gradient in registers too, so the
-// bias gradient costs one block-level reduction plus a tiny stage-2 kernel
-// instead of a second pass over dx.  One pass over memory each way:
+// x is viewed as [rows, cols] with the bias broadcast over rows.  Forward runs
+// flat over the packs (flat_blocks in common.cuh).  Backward runs block
+// (32, 8) over (column packs, rows) (row_col_grid): a thread keeps its
+// columns' bias in registers for all of its rows and accumulates their bias
+// gradient in registers too, so the bias gradient costs one block-level
+// reduction plus a tiny stage-2 kernel instead of a second pass over dx.  One pass over memory each way:
 // forward reads x and writes y, backward reads dy and x and writes dx.
 #include "common.cuh"
 #include "ops.h"
@@ -47,25 +47,21 @@ __device__ __forceinline__ float gelu_grad(float x) {
 template <typename T, int VEC, bool TANH>
 __global__ void bias_gelu_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                      T* __restrict__ y, int64_t rows, int64_t cols) {
-  const int64_t col = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * VEC;
-  if (col >= cols) return;
-  float b[VEC];
-  if (bias != nullptr) {
-    const Pack<T, VEC> bp = load_pack<T, VEC>(bias + col);
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) b[v] = static_cast<float>(bp.v[v]);
-  } else {
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) b[v] = 0.f;
-  }
-  const int64_t step = static_cast<int64_t>(gridDim.y) * 8;
-#pragma unroll 2
-  for (int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; r < rows; r += step) {
-    const Pack<T, VEC> xp = load_pack<T, VEC>(x + r * cols + col);
+  const int64_t cp = cols / VEC, total = rows * cp;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+#pragma unroll 4
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += step) {
+    const int64_t col = (i % cp) * VEC;
+    Pack<T, VEC> bp;
+    if (bias != nullptr) bp = load_pack<T, VEC>(bias + col);
+    const Pack<T, VEC> xp = load_pack<T, VEC>(x + i * VEC);
     Pack<T, VEC> yp;
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) yp.v[v] = static_cast<T>(gelu<TANH>(static_cast<float>(xp.v[v]) + b[v]));
-    store_pack<T, VEC>(y + r * cols + col, yp);
+    for (int v = 0; v < VEC; ++v) {
+      const float b = bias != nullptr ? static_cast<float>(bp.v[v]) : 0.f;
+      yp.v[v] = static_cast<T>(gelu<TANH>(static_cast<float>(xp.v[v]) + b));
+    }
+    store_pack<T, VEC>(y + i * VEC, yp);
   }
 }
 
@@ -142,8 +138,7 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& b
     auto launch = [&](auto vec_tag, auto tanh_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       constexpr bool TANH = decltype(tanh_tag)::value;
-      const RowColGrid g = row_col_grid(rows, cols / VEC);
-      bias_gelu_fwd_kernel<T, VEC, TANH><<<g.grid, g.block, 0, stream>>>(
+      bias_gelu_fwd_kernel<T, VEC, TANH><<<flat_blocks(rows * (cols / VEC)), kFlatThreads, 0, stream>>>(
           x.data_ptr<T>(), bp, y.data_ptr<T>(), rows, cols);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };

@@ -47,7 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bwd", &p3d::rms_norm_bwd, py::arg("dy"), py::arg("x"), py::arg("rstd"),
         py::arg("weight"));
 
-  m.def("rope_apply", &p3d::rope_apply, py::arg("t"), py::arg("freqs"), py::arg("out"),
+  m.def("rope_apply", &p3d::rope_apply, py::arg("ts"), py::arg("cos"), py::arg("sin"), py::arg("outs"),
         py::arg("backward"));
 
   m.def("scaled_upper_triang_masked_softmax_fwd", &p3d::scaled_upper_triang_masked_softmax_fwd,

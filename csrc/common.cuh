@@ -77,6 +77,31 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
   *reinterpret_cast<Pack<T, N>*>(p) = v;
 }
 
+// Loads and stores with an L2 evict-first hint (ld/st.global.cs) for 16-byte
+// packs, for data a kernel touches once.  Measured on H100: 2-3% faster for
+// RoPE, whose cos/sin tables must stay in L2, and 1-4% slower for the other
+// kernels, which therefore use load_pack/store_pack.
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> load_stream(const T* p) {
+  if constexpr (sizeof(Pack<T, N>) == 16) {
+    const int4 v = __ldcs(reinterpret_cast<const int4*>(p));
+    Pack<T, N> r;
+    *reinterpret_cast<int4*>(&r) = v;
+    return r;
+  } else {
+    return load_pack<T, N>(p);
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_stream(T* p, const Pack<T, N>& v) {
+  if constexpr (sizeof(Pack<T, N>) == 16) {
+    __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
+  } else {
+    store_pack<T, N>(p, v);
+  }
+}
+
 // Elements per 16-byte access for T.
 template <typename T>
 constexpr int vec16() {
@@ -100,12 +125,17 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Sum over a 1-D block; every thread gets the total. `red` holds >= 32 floats.
-// The leading barrier lets callers reuse `red` for consecutive reductions.
+// Reductions over the threadIdx.x dimension of a block ("row group"): every
+// thread gets its group's total.  Blocks may be 2-D, one row group per
+// threadIdx.y: each group passes its own slice of shared memory (`red` holds
+// >= 32 floats, >= 64 for block_sum2), and every thread of the block must call
+// (the barriers are block-wide).  A group of one warp needs no barrier.  The
+// leading barrier lets callers reuse `red` for consecutive reductions.
 __device__ __forceinline__ float block_sum(float v, float* red) {
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
   v = warp_sum(v);
+  if (nwarps == 1) return v;
   __syncthreads();
   if (lane == 0) red[wid] = v;
   __syncthreads();
@@ -116,18 +146,20 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
   v = warp_max(v);
+  if (nwarps == 1) return v;
   __syncthreads();
   if (lane == 0) red[wid] = v;
   __syncthreads();
   return warp_max(lane < nwarps ? red[lane] : -INFINITY);
 }
 
-// Two sums at once (one pair of barriers instead of two). `red` holds >= 64 floats.
+// Two sums at once (one pair of barriers instead of two).
 __device__ __forceinline__ float2 block_sum2(float a, float b, float* red) {
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
   a = warp_sum(a);
   b = warp_sum(b);
+  if (nwarps == 1) return make_float2(a, b);
   __syncthreads();
   if (lane == 0) {
     red[wid] = a;
@@ -158,6 +190,91 @@ inline int row_threads(int64_t nvec, int per_thread) {
   return round_up(t, 32);
 }
 
+// ---- rows held in registers ----
+// A row of `nvec` packs belongs to one row group of blockDim.x threads (a
+// multiple of 32): thread t holds packs t, t + blockDim.x, ..., t + (P - 1) *
+// blockDim.x, those below nvec.  A block of (blockDim.x, blockDim.y) threads
+// works on blockDim.y rows at a time.  All P loads of a thread are issued
+// before any is used, so a thread keeps P 16-byte loads per tensor in flight,
+// and the row is read from memory exactly once.
+//
+// Blocks have at most kMaxRowBlockThreads threads, and the kernels say so
+// (__launch_bounds__), so the compiler keeps them within the 128 registers per
+// thread that lets such a block run on any GPU since Volta; longer rows take
+// more packs per thread instead of more threads.
+constexpr int kMaxRowsPerBlock = 8;
+constexpr int kMaxRowBlockThreads = 512;
+
+template <typename T, int VEC, int P>
+struct RowFrag {
+  Pack<T, VEC> p[P];
+
+  // Packs past nvec, or every pack when !valid, are zero.
+  __device__ __forceinline__ void load(const T* row, int64_t nvec, bool valid) {
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (valid && i < nvec) {
+        p[k] = load_pack<T, VEC>(row + i * VEC);
+      } else {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) p[k].v[v] = static_cast<T>(0.f);
+      }
+    }
+  }
+  __device__ __forceinline__ float f(int k, int v) const { return static_cast<float>(p[k].v[v]); }
+};
+
+// Pack index of a thread's k-th pack.
+__device__ __forceinline__ int64_t frag_index(int k) {
+  return threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+}
+
+// Launch shape for RowFrag kernels over rows of `nvec` packs: the fewest packs
+// per thread P (a power of two, min_p..max_p) that fit the row in
+// kMaxRowBlockThreads threads, whole warps per row, and rows per block so that
+// a block has about `block_threads` threads.
+struct RowGroups {
+  int P;
+  dim3 block;
+};
+
+inline RowGroups row_groups(int64_t nvec, int min_p, int max_p, int block_threads = 256) {
+  int P = min_p < max_p ? min_p : max_p;
+  while (P < max_p && (nvec + P - 1) / P > kMaxRowBlockThreads) P *= 2;
+  int64_t tx = round_up((nvec + P - 1) / P, 32);
+  tx = tx < 32 ? 32 : tx;
+  TORCH_CHECK(tx <= kMaxRowBlockThreads, "internal error: a row of ", nvec, " packs needs more than ",
+              max_p, " packs per thread");
+  int64_t ry = block_threads / tx;
+  ry = ry < 1 ? 1 : (ry > kMaxRowsPerBlock ? kMaxRowsPerBlock : ry);
+  return {P, dim3(static_cast<unsigned>(tx), static_cast<unsigned>(ry))};
+}
+
+// Largest P a RowFrag kernel is built for: rows of up to 16384 elements in
+// kMaxRowBlockThreads threads (4 packs of 8, 8 of 4, 32 scalars per thread).
+template <int VEC>
+constexpr int max_packs_per_thread() {
+  return 16384 / kMaxRowBlockThreads / VEC;
+}
+
+// Calls launch(std::integral_constant<int, P>{}) for a power of two P up to
+// max_packs_per_thread<VEC>().
+template <int VEC, typename F>
+inline void dispatch_packs_per_thread(int P, F&& launch) {
+  if (P == 1) return launch(std::integral_constant<int, 1>{});
+  if (P == 2) return launch(std::integral_constant<int, 2>{});
+  if (P == 4) return launch(std::integral_constant<int, 4>{});
+  if constexpr (max_packs_per_thread<VEC>() >= 8) {
+    if (P == 8) return launch(std::integral_constant<int, 8>{});
+    if constexpr (max_packs_per_thread<VEC>() >= 32) {
+      if (P == 16) return launch(std::integral_constant<int, 16>{});
+      if (P == 32) return launch(std::integral_constant<int, 32>{});
+    }
+  }
+  TORCH_CHECK(false, "internal error: no kernel for ", P, " packs per thread at vector width ", VEC);
+}
+
 // Geometry of the element-wise "rows x columns" kernels (bias + activation,
 // bias + dropout + residual).  Block (32, 8): the 32 lanes of a warp take 32
 // consecutive column packs of one row (a coalesced 512-byte access in bf16), the
@@ -183,6 +300,18 @@ inline RowColGrid row_col_grid(int64_t rows, int64_t col_packs) {
   gy = gy > 65535 ? 65535 : gy;
   g.grid = dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy < 1 ? 1 : gy));
   return g;
+}
+
+// Launch shape of the flat element-wise kernels (the forward passes, which
+// reduce nothing over rows): kFlatThreads-thread blocks grid-striding over the
+// packs in row-major order, so the warps running at one time read and write
+// one contiguous stretch of memory; at most 32 blocks per SM.
+constexpr int kFlatThreads = 256;
+
+inline unsigned flat_blocks(int64_t packs) {
+  const int64_t want = (packs + kFlatThreads - 1) / kFlatThreads;
+  const int64_t cap = static_cast<int64_t>(sm_count()) * 32;
+  return static_cast<unsigned>(want < cap ? (want < 1 ? 1 : want) : cap);
 }
 
 // Stage 2 of the column reductions: out[c] = sum_p partials[p, c] (fp32

@@ -4,160 +4,228 @@
 //   LayerNorm: xhat = (x - mean) * rstd,  rstd = 1 / sqrt(mean((x - mean)^2) + eps)
 //   RMSNorm:   xhat = x * rstd,           rstd = 1 / sqrt(mean(x^2) + eps)
 //   y = xhat * w (+ b)
+//   dx = rstd * (dy * w - c1 - xhat * c2),  c1 = mean(dy * w) (LayerNorm only),
+//        c2 = mean(dy * w * xhat);  dw = sum over rows of dy * xhat,  db = sum of dy
 //
-// Forward launch geometry: one block per row (grid-stride over rows), with
-// row_threads() threads, about 4 packs of VEC elements each.  The row is read
-// from global memory once into a dynamic shared-memory cache (h elements of T,
-// each thread touching only its own packs, so no barrier is needed around the
-// cache), which gives an exact two-pass variance without a second read of x.
+// Both passes hold each row in registers (RowFrag, common.cuh): a row group of
+// blockDim.x threads owns a row, P packs per thread, blockDim.y rows per block.
+// So x (and dy) are read from memory exactly once and the exact two-pass
+// variance costs no second read.
 //
-// Backward launch geometry: a persistent grid of as many blocks as fit on the
-// GPU at once; each block walks rows r = blockIdx.x, += gridDim.x.  Per row:
-// pass 1 reads x and dy, forms the two row sums that dx needs and adds
-// dy * xhat (and dy) into this thread's own columns of a shared-memory
-// accumulator; pass 2 re-reads x and dy (now in L1/L2) and writes dx.  At the
-// end each block writes its accumulator as one partial row; sum_partials()
-// reduces the partials into dweight/dbias (stage 2 of a two-stage reduction).
+// Backward runs a persistent grid (as many blocks as fit on the GPU) walking
+// rows r = blockIdx.x * R + threadIdx.y, += gridDim.x * R.  A thread always
+// owns the same columns, so it accumulates dw (and db) for them across all its
+// rows, in its own slots of shared memory (registers would not hold them for
+// long rows).  At the end the block's row groups are summed (in a fixed order)
+// into one partial row per block, and sum_partials() reduces the partials
+// (stage 2 of a two-stage, deterministic reduction; dw and db in one pass).
+// Each thread loads its next row before it reduces the current one, so those
+// loads overlap the block-wide reduction.
 #pragma once
 
 #include "common.cuh"
 
 namespace p3d {
 
-template <typename T, int VEC, bool RMS>
-__global__ void norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w,
-                                const T* __restrict__ b, T* __restrict__ y,
-                                float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                                int64_t rows, int64_t h, float eps) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Pack<T, VEC>* cache = reinterpret_cast<Pack<T, VEC>*>(smem_raw);
-  __shared__ float red[32];
+// Packs per thread at least (so threads per row at most): forward takes 4 so
+// that a row group is small and many rows are in flight per SM; backward takes
+// 1 where the row allows, which measured best with its shared-memory
+// accumulators (bf16 on H100, hidden 2048..8192; BENCHMARKS.md).
+constexpr int kNormFwdMinPacks = 4;
+constexpr int kNormBwdMinPacks = 1;
+
+template <typename T, int VEC, int P, bool RMS>
+__global__ void __launch_bounds__(kMaxRowBlockThreads)
+    norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                    T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                    int64_t rows, int64_t h, float eps) {
+  __shared__ float red[kMaxRowsPerBlock][32];
   const int64_t nvec = h / VEC;
-  const int tid = threadIdx.x, nt = blockDim.x;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* xr = x + r * h;
-    float sum = 0.f;
-#pragma unroll 4
-    for (int64_t i = tid; i < nvec; i += nt) {
-      const Pack<T, VEC> p = load_pack<T, VEC>(xr + i * VEC);
-      cache[i] = p;
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) sum += static_cast<float>(p.v[v]);
-    }
+  const int64_t R = blockDim.y;
+  const float inv_h = 1.f / static_cast<float>(h);
+  // The loop bound is the same for the whole block: every thread reaches every barrier.
+  for (int64_t r0 = blockIdx.x * R; r0 < rows; r0 += gridDim.x * R) {
+    const int64_t r = r0 + threadIdx.y;
+    const bool valid = r < rows;
+    RowFrag<T, VEC, P> xf;
+    xf.load(x + r * h, nvec, valid);
     float mean = 0.f;
-    if (!RMS) mean = block_sum(sum, red) / static_cast<float>(h);
-    float sq = 0.f;
-#pragma unroll 4
-    for (int64_t i = tid; i < nvec; i += nt) {
-      const Pack<T, VEC> p = cache[i];
+    if (!RMS) {
+      float sum = 0.f;
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) {
-        const float d = static_cast<float>(p.v[v]) - mean;
-        sq += d * d;
+      for (int k = 0; k < P; ++k)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) sum += xf.f(k, v);
+      mean = block_sum(sum, red[threadIdx.y]) * inv_h;
+    }
+    float sq = 0.f;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      if (frag_index(k) < nvec) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          const float d = xf.f(k, v) - mean;
+          sq += d * d;
+        }
       }
     }
-    const float rstd = rsqrtf(block_sum(sq, red) / static_cast<float>(h) + eps);
-    if (tid == 0) {
+    const float rstd = rsqrtf(block_sum(sq, red[threadIdx.y]) * inv_h + eps);
+    if (!valid) continue;
+    if (threadIdx.x == 0) {
       if (!RMS) mean_out[r] = mean;
       rstd_out[r] = rstd;
     }
-    T* yr = y + r * h;
-#pragma unroll 4
-    for (int64_t i = tid; i < nvec; i += nt) {
-      const Pack<T, VEC> p = cache[i];
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int64_t i = frag_index(k);
+      if (i >= nvec) continue;
       const Pack<T, VEC> wp = load_pack<T, VEC>(w + i * VEC);
       Pack<T, VEC> bp;
       if (!RMS && b != nullptr) bp = load_pack<T, VEC>(b + i * VEC);
       Pack<T, VEC> o;
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        float val = (static_cast<float>(p.v[v]) - mean) * rstd * static_cast<float>(wp.v[v]);
+        float val = (xf.f(k, v) - mean) * rstd * static_cast<float>(wp.v[v]);
         if (!RMS && b != nullptr) val += static_cast<float>(bp.v[v]);
         o.v[v] = static_cast<T>(val);
       }
-      store_pack<T, VEC>(yr + i * VEC, o);
+      store_pack<T, VEC>(y + r * h + i * VEC, o);
     }
   }
 }
 
-template <typename T, int VEC, bool RMS>
-__global__ void norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
-                                const T* __restrict__ w, T* __restrict__ dx,
-                                float* __restrict__ dw_part, float* __restrict__ db_part,
-                                int64_t rows, int64_t h) {
-  // Accumulators: dw over [0, h) then, for LayerNorm with bias, db over [h, 2h).
-  // Column i * VEC + v lives at acc[v * nvec + i] so that the 32 lanes of a
-  // warp (consecutive i) hit 32 consecutive words: no bank conflicts.
-  extern __shared__ __align__(16) float acc[];
-  __shared__ float red[64];
-  const int64_t nvec = h / VEC;
-  const int tid = threadIdx.x, nt = blockDim.x;
-  const bool with_db = db_part != nullptr;
-  for (int64_t i = tid; i < nvec; i += nt) {
+// Shared-memory slots of the backward's dw/db accumulators.  A thread's k-th
+// pack, element v, lives at slot(k, v); for VEC a multiple of 4 the slots of 4
+// consecutive elements form one float4 and lanes are 16 bytes apart, else lanes
+// are 4 bytes apart: either way a warp's access is conflict-free.
+template <int VEC>
+struct AccSlots {
+  static constexpr int W = VEC % 4 == 0 ? 4 : 1;  // floats per access
+  __device__ __forceinline__ static int slot(int k, int v, int tx, int tid) {
+    return ((k * (VEC / W) + v / W) * tx + tid) * W + v % W;
+  }
+  // Column (within the row) of slot e, the inverse of slot().
+  __device__ __forceinline__ static int64_t column(int e, int tx) {
+    const int q = e / W, lane_v = e % W;
+    const int kv = q / tx, t = q % tx;  // kv = k * (VEC / W) + v / W
+    const int k = kv / (VEC / W), v = (kv % (VEC / W)) * W + lane_v;
+    return (static_cast<int64_t>(k) * tx + t) * VEC + v;
+  }
+  // acc[slot(k, v)] += add[v] for v < VEC.
+  __device__ __forceinline__ static void add(float* acc, int k, int tx, int tid, const float (&a)[VEC]) {
+    if constexpr (W == 4) {
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      acc[v * nvec + i] = 0.f;
-      if (with_db) acc[h + v * nvec + i] = 0.f;
+      for (int q = 0; q < VEC / 4; ++q) {
+        float4* p = reinterpret_cast<float4*>(acc + slot(k, 4 * q, tx, tid));
+        float4 c = *p;
+        c.x += a[4 * q];
+        c.y += a[4 * q + 1];
+        c.z += a[4 * q + 2];
+        c.w += a[4 * q + 3];
+        *p = c;
+      }
+    } else {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[slot(k, v, tx, tid)] += a[v];
     }
   }
+};
+
+// part: [gridDim.x, ncols] with ncols = h (RMSNorm, or LayerNorm without a
+// bias) or 2h (dw then db): this block's partial row.
+template <typename T, int VEC, int P, bool RMS>
+__global__ void __launch_bounds__(kMaxRowBlockThreads)
+    norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                    const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
+                    const T* __restrict__ w, T* __restrict__ dx, float* __restrict__ part,
+                    int64_t rows, int64_t h, bool with_db) {
+  // Per row group: dw slots then (LayerNorm) db slots, P * VEC * blockDim.x
+  // each (AccSlots).
+  extern __shared__ __align__(16) float acc_all[];
+  __shared__ float red[kMaxRowsPerBlock][64];
+  const int64_t nvec = h / VEC;
+  const int64_t R = blockDim.y, stride = gridDim.x * R;
+  const int tx = blockDim.x, tid = threadIdx.x;
+  const int slots = P * VEC * tx;  // >= h
+  float* acc = acc_all + threadIdx.y * (RMS ? 1 : 2) * slots;
   const float inv_h = 1.f / static_cast<float>(h);
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* xr = x + r * h;
-    const T* dyr = dy + r * h;
-    const float mean = RMS ? 0.f : mean_in[r];
-    const float rstd = rstd_in[r];
+  RowFrag<T, VEC, P> wf;
+  wf.load(w, nvec, true);
+  using Slots = AccSlots<VEC>;
+#pragma unroll
+  for (int k = 0; k < P; ++k)
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      acc[Slots::slot(k, v, tx, tid)] = 0.f;
+      if (!RMS) acc[slots + Slots::slot(k, v, tx, tid)] = 0.f;
+    }
+
+  int64_t r = blockIdx.x * R + threadIdx.y;
+  RowFrag<T, VEC, P> xn, gn;  // the next row's x and dy
+  xn.load(x + r * h, nvec, r < rows);
+  gn.load(dy + r * h, nvec, r < rows);
+  // The loop bound is the same for the whole block: every thread reaches every barrier.
+  for (int64_t r0 = blockIdx.x * R; r0 < rows; r0 += stride, r += stride) {
+    const bool valid = r < rows;
+    const RowFrag<T, VEC, P> xf = xn, gf = gn;
+    xn.load(x + (r + stride) * h, nvec, r + stride < rows);
+    gn.load(dy + (r + stride) * h, nvec, r + stride < rows);
+    const float mean = (RMS || !valid) ? 0.f : mean_in[r];
+    const float rstd = valid ? rstd_in[r] : 0.f;
+    // Padding and invalid rows hold dy = 0 and add nothing below.
     float s_g = 0.f, s_gx = 0.f;  // sum(dy * w), sum(dy * w * xhat)
-#pragma unroll 2
-    for (int64_t i = tid; i < nvec; i += nt) {
-      const Pack<T, VEC> xp = load_pack<T, VEC>(xr + i * VEC);
-      const Pack<T, VEC> gp = load_pack<T, VEC>(dyr + i * VEC);
-      const Pack<T, VEC> wp = load_pack<T, VEC>(w + i * VEC);
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      float dwk[VEC], dbk[VEC];
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        const float xh = (static_cast<float>(xp.v[v]) - mean) * rstd;
-        const float d = static_cast<float>(gp.v[v]);
-        const float g = d * static_cast<float>(wp.v[v]);
+        const float xh = (xf.f(k, v) - mean) * rstd;
+        const float d = gf.f(k, v);
+        const float g = d * wf.f(k, v);
         s_g += g;
         s_gx += g * xh;
-        acc[v * nvec + i] += d * xh;
-        if (with_db) acc[h + v * nvec + i] += d;
+        dwk[v] = d * xh;
+        dbk[v] = d;
       }
+      Slots::add(acc, k, tx, tid, dwk);
+      if (!RMS) Slots::add(acc + slots, k, tx, tid, dbk);
     }
-    const float2 s = block_sum2(s_g, s_gx, red);
+    const float2 s = block_sum2(s_g, s_gx, red[threadIdx.y]);
+    if (!valid) continue;
     const float c1 = RMS ? 0.f : s.x * inv_h;
     const float c2 = s.y * inv_h;
-    T* dxr = dx + r * h;
-#pragma unroll 2
-    for (int64_t i = tid; i < nvec; i += nt) {
-      const Pack<T, VEC> xp = load_pack<T, VEC>(xr + i * VEC);
-      const Pack<T, VEC> gp = load_pack<T, VEC>(dyr + i * VEC);
-      const Pack<T, VEC> wp = load_pack<T, VEC>(w + i * VEC);
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int64_t i = frag_index(k);
+      if (i >= nvec) continue;
       Pack<T, VEC> o;
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        const float xh = (static_cast<float>(xp.v[v]) - mean) * rstd;
-        const float g = static_cast<float>(gp.v[v]) * static_cast<float>(wp.v[v]);
-        o.v[v] = static_cast<T>(rstd * (g - c1 - xh * c2));
+        const float xh = (xf.f(k, v) - mean) * rstd;
+        o.v[v] = static_cast<T>(rstd * (gf.f(k, v) * wf.f(k, v) - c1 - xh * c2));
       }
-      store_pack<T, VEC>(dxr + i * VEC, o);
+      store_pack<T, VEC>(dx + r * h + i * VEC, o);
     }
   }
-  // Each thread wrote only its own columns of acc, so no barrier is needed.
-  for (int64_t i = tid; i < nvec; i += nt) {
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      dw_part[blockIdx.x * h + i * VEC + v] = acc[v * nvec + i];
-      if (with_db) db_part[blockIdx.x * h + i * VEC + v] = acc[h + v * nvec + i];
-    }
+
+  // Sum the row groups' slots (group 0 first) into this block's partial row.
+  __syncthreads();
+  const int64_t ncols = with_db ? 2 * h : h;
+  const int group_slots = (RMS ? 1 : 2) * slots;
+  for (int e = threadIdx.y * tx + tid; e < (with_db ? 2 : 1) * slots; e += R * tx) {
+    const int half = e / slots;  // 1: db
+    const int64_t col = Slots::column(e - half * slots, tx);
+    if (col >= h) continue;
+    float sum = 0.f;
+    for (int g = 0; g < R; ++g) sum += acc_all[g * group_slots + e];
+    part[blockIdx.x * ncols + half * h + col] = sum;
   }
 }
 
 // ---- host side ----
 
-// Largest hidden size the kernels take (the shared-memory cache and the
-// backward accumulators grow with it); the Python wrappers fall back to PyTorch
-// beyond it.
+// Largest hidden size the kernels take (a row must fit in the registers of
+// 1024 threads); the Python wrappers fall back to PyTorch beyond it.
 constexpr int64_t kMaxNormHidden = 16384;
 
 template <typename T>
@@ -203,18 +271,17 @@ std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const at::Tensor& w,
       const T* bp = b ? b->data_ptr<T>() : nullptr;
       auto launch = [&](auto vec_tag) {
         constexpr int VEC = decltype(vec_tag)::value;
-        auto kernel = norm_fwd_kernel<T, VEC, RMS>;
-        const int threads = row_threads(h / VEC, 4);
-        const size_t smem = static_cast<size_t>(h) * sizeof(T);
-        if (smem > 48 * 1024)
-          C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(smem)));
-        const int64_t grid = rows < (int64_t{1} << 30) ? rows : (int64_t{1} << 30);
-        kernel<<<static_cast<unsigned>(grid), threads, smem, stream>>>(
-            x.data_ptr<T>(), w.data_ptr<T>(), bp, y.data_ptr<T>(),
-            RMS ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, h,
-            static_cast<float>(eps));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const RowGroups g = row_groups(h / VEC, kNormFwdMinPacks, max_packs_per_thread<VEC>());
+        dispatch_packs_per_thread<VEC>(g.P, [&](auto p_tag) {
+          constexpr int P = decltype(p_tag)::value;
+          int64_t grid = (rows + g.block.y - 1) / g.block.y;
+          grid = grid < (int64_t{1} << 30) ? grid : (int64_t{1} << 30);
+          norm_fwd_kernel<T, VEC, P, RMS><<<static_cast<unsigned>(grid), g.block, 0, stream>>>(
+              x.data_ptr<T>(), w.data_ptr<T>(), bp, y.data_ptr<T>(),
+              RMS ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, h,
+              static_cast<float>(eps));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
       };
       if (norm_use_vec<T>(h, {x.data_ptr(), w.data_ptr(), bp, y.data_ptr()}))
         launch(std::integral_constant<int, vec16<T>()>{});
@@ -249,39 +316,45 @@ std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, cons
   }
   auto stream = c10::cuda::getCurrentCUDAStream();
   const bool with_db = !RMS && has_bias;
-  at::Tensor dw_part, db_part;
+  at::Tensor part;
   P3D_DISPATCH_FLOATING(x.scalar_type(), name, [&] {
     using T = scalar_t;
     auto launch = [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
-      auto kernel = norm_bwd_kernel<T, VEC, RMS>;
-      const int threads = row_threads(h / VEC, 4);
-      const size_t smem = static_cast<size_t>(h) * sizeof(float) * (with_db ? 2 : 1);
-      if (smem > 48 * 1024)
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem)));
-      int per_sm = 0;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-      TORCH_CHECK(per_sm > 0, name, ": hidden size ", h, " needs ", smem,
-                  " bytes of shared memory per block, more than this GPU offers");
-      int64_t grid = static_cast<int64_t>(per_sm) * sm_count();
-      grid = grid < rows ? grid : rows;
-      dw_part = new_output({grid, h}, x.options().dtype(at::kFloat));
-      if (with_db) db_part = new_output({grid, h}, x.options().dtype(at::kFloat));
-      kernel<<<static_cast<unsigned>(grid), threads, smem, stream>>>(
-          dy.data_ptr<T>(), x.data_ptr<T>(), RMS ? nullptr : mean.data_ptr<float>(),
-          rstd.data_ptr<float>(), w.data_ptr<T>(), dx.data_ptr<T>(), dw_part.data_ptr<float>(),
-          with_db ? db_part.data_ptr<float>() : nullptr, rows, h);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const RowGroups g =
+          row_groups(h / VEC, kNormBwdMinPacks, max_packs_per_thread<VEC>());
+      dispatch_packs_per_thread<VEC>(g.P, [&](auto p_tag) {
+        constexpr int P = decltype(p_tag)::value;
+        auto kernel = norm_bwd_kernel<T, VEC, P, RMS>;
+        const int threads = static_cast<int>(g.block.x * g.block.y);
+        const size_t smem = static_cast<size_t>(g.block.y) * (RMS ? 1 : 2) * P * VEC * g.block.x * sizeof(float);
+        if (smem > 48 * 1024)
+          C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(smem)));
+        int per_sm = 0;
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+        TORCH_CHECK(per_sm > 0, name, ": hidden size ", h, " needs ", smem,
+                    " bytes of shared memory per block, more than this GPU offers");
+        int64_t grid = static_cast<int64_t>(per_sm) * sm_count();
+        const int64_t needed = (rows + g.block.y - 1) / g.block.y;
+        grid = grid < needed ? grid : needed;
+        part = new_output({grid, with_db ? 2 * h : h}, x.options().dtype(at::kFloat));
+        kernel<<<static_cast<unsigned>(grid), g.block, smem, stream>>>(
+            dy.data_ptr<T>(), x.data_ptr<T>(), RMS ? nullptr : mean.data_ptr<float>(),
+            rstd.data_ptr<float>(), w.data_ptr<T>(), dx.data_ptr<T>(), part.data_ptr<float>(), rows,
+            h, with_db);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     };
     if (norm_use_vec<T>(h, {dy.data_ptr(), x.data_ptr(), w.data_ptr(), dx.data_ptr()}))
       launch(std::integral_constant<int, vec16<T>()>{});
     else
       launch(std::integral_constant<int, 1>{});
   });
-  std::vector<at::Tensor> out{dx, sum_partials(dw_part, w.scalar_type())};
-  if (with_db) out.push_back(sum_partials(db_part, w.scalar_type()));
-  return out;
+  // One stage-2 pass for dw and db together; they come back as two halves of one tensor.
+  at::Tensor sums = sum_partials(part, w.scalar_type());
+  if (!with_db) return {dx, sums};
+  return {dx, sums.narrow(0, 0, h), sums.narrow(0, h, h)};
 }
 
 }  // namespace p3d

@@ -50,9 +50,12 @@ std::vector<at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& weig
 std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
                                      const at::Tensor& rstd, const at::Tensor& weight);
 
-// rope.cu: t and out are [s, b, h, d] views (any strides, last dim contiguous),
-// freqs is float32 [s, 1 or b, rot_dim]; backward applies the transposed rotation.
-void rope_apply(const at::Tensor& t, const at::Tensor& freqs, at::Tensor& out, bool backward);
+// rope.cu: each of ts (1 or 2 tensors, e.g. q and k) and outs is an [s, b, h, d]
+// view (any strides, last dim contiguous; h may differ between the two); cos and
+// sin are float32 [s, 1 or b, rot_dim] of the angles; backward applies the
+// transposed rotation.
+void rope_apply(const std::vector<at::Tensor>& ts, const at::Tensor& cos, const at::Tensor& sin,
+                const std::vector<at::Tensor>& outs, bool backward);
 
 // softmax.cu: x [attn_batches, sq, sk] with sq == sk, causal mask.
 at::Tensor scaled_upper_triang_masked_softmax_fwd(const at::Tensor& x, double scale);

@@ -1,9 +1,10 @@
 // Stage 2 of the two-stage column reductions (bias, LayerNorm/RMSNorm weight
 // and bias gradients): out[c] = sum over p of partials[p, c].
 //
-// Launch geometry: block (32, 8), one block per 32 columns.  The 32 lanes read
-// 32 consecutive columns of a partial row (coalesced); the 8 warps stride over
-// the partial rows; a small shared-memory tree finishes the sum.  Stage 1
+// Launch geometry: block (32, 32), one block per 32 columns.  The 32 lanes read
+// 32 consecutive columns of a partial row (coalesced); the 32 warps stride over
+// the partial rows (several loads in flight each), and a shared-memory pass
+// finishes the sum in a fixed order, so the result is deterministic.  Stage 1
 // writes at most a few hundred partial rows, so this kernel is a few percent of
 // the op's time at most.
 #include "common.cuh"
@@ -14,18 +15,19 @@ namespace {
 template <typename OutT>
 __global__ void sum_partials_kernel(const float* __restrict__ part, int64_t nparts,
                                     int64_t ncols, OutT* __restrict__ out) {
-  __shared__ float sm[8][33];
+  __shared__ float sm[32][33];
   const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   float acc = 0.f;
   if (col < ncols) {
-    for (int64_t p = threadIdx.y; p < nparts; p += 8) acc += part[p * ncols + col];
+#pragma unroll 4
+    for (int64_t p = threadIdx.y; p < nparts; p += 32) acc += part[p * ncols + col];
   }
   sm[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && col < ncols) {
     float s = 0.f;
 #pragma unroll
-    for (int r = 0; r < 8; ++r) s += sm[r][threadIdx.x];
+    for (int r = 0; r < 32; ++r) s += sm[r][threadIdx.x];
     out[col] = static_cast<OutT>(s);
   }
 }
@@ -39,7 +41,7 @@ at::Tensor sum_partials(const at::Tensor& partials, at::ScalarType dtype) {
   at::Tensor out = new_output({ncols}, partials.options().dtype(dtype));
   if (ncols == 0) return out;
   auto stream = c10::cuda::getCurrentCUDAStream();
-  const dim3 block(32, 8), grid(static_cast<unsigned>((ncols + 31) / 32));
+  const dim3 block(32, 32), grid(static_cast<unsigned>((ncols + 31) / 32));
   P3D_DISPATCH_FLOATING(dtype, "sum_partials", [&] {
     sum_partials_kernel<scalar_t><<<grid, block, 0, stream>>>(
         partials.data_ptr<float>(), nparts, ncols, out.data_ptr<scalar_t>());

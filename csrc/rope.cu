@@ -12,114 +12,166 @@
 //
 // t and out are [s, b, h, d] views with arbitrary strides (last dim
 // contiguous), so the HF layout [b, h, s, d] runs through the same kernel as a
-// permuted view.  freqs is fp32 [s, bf, rot] with bf = 1 (shared by the batch)
-// or b (per-sample positions).  Arithmetic is fp32; cos/sin are computed in
-// fp32 from the fp32 angles.
+// permuted view.  One launch takes one tensor or two (q and k, whose head
+// counts may differ) rotated by the same angles.  The angles come as fp32 cos
+// and sin of shape [s, bf, rot], bf = 1 (shared by the batch) or b
+// (per-sample positions); the Python wrapper computes them once per freqs
+// tensor, so all the layers of a forward share them.  Arithmetic is fp32,
+// rounded once to t's dtype.
 //
-// Launch geometry: one block per (position s, batch b); its threads first
-// compute cos/sin of the rot angles of position s into shared memory (once,
-// shared by all heads), then stride over (head, pack) work items: the rotated
-// packs of a head come first (lane k reads t[k*VEC] and t[half + k*VEC], two
-// coalesced runs), then the pass-through packs.  One read and one write of t.
+// Launch geometry: a thread per (tensor, head, pack) work item of a (position
+// s, sample b) slice: the rotated packs of a head (item k reads t[k*VEC] and
+// t[half + k*VEC], two coalesced runs, and the matching cos/sin, which stay in
+// L2), then its pass-through packs; grid (s, b, blocks per slice).  No
+// barriers and no shared memory: one read and one write of t, both with an
+// evict-first hint (load_stream) so that cos/sin keep their place in L2.
+#include <algorithm>
+
 #include "common.cuh"
 #include "ops.h"
 
 namespace p3d {
 namespace {
 
-struct RopeShape {
-  int64_t s, b, h, d, rot;
-  int64_t f_ss, f_sb;              // element strides of freqs over [s, b] (f_sb = 0: shared)
-  int64_t in_ss, in_sb, in_sh;     // element strides of t in [s, b, h] order
-  int64_t out_ss, out_sb, out_sh;  // and of out
+constexpr int kMaxRopeTensors = 2;
+
+// Element strides in [s, b, h] order of one input/output pair.
+struct RopeTensor {
+  int64_t h;
+  int64_t in_ss, in_sb, in_sh;
+  int64_t out_ss, out_sb, out_sh;
 };
 
+struct RopeShape {
+  int64_t s, b, d, rot;
+  int64_t f_ss, f_sb;  // element strides of cos/sin over [s, b] (f_sb = 0: shared)
+  int n;               // tensors: 1 or 2
+  RopeTensor t[kMaxRopeTensors];
+};
+
+template <typename T>
+struct RopePtrs {
+  const T* in[kMaxRopeTensors];
+  T* out[kMaxRopeTensors];
+};
+
+constexpr int kRopeThreads = 256;
+
 template <typename T, int VEC>
-__global__ void rope_kernel(const T* __restrict__ t, const float* __restrict__ freqs,
-                            T* __restrict__ out, RopeShape sh, bool backward) {
-  extern __shared__ float cs[];  // cos[0:rot], then sin[0:rot]
-  float* sn = cs + sh.rot;
+__global__ void rope_kernel(RopePtrs<T> ptr, const float* __restrict__ cos_f,
+                            const float* __restrict__ sin_f, RopeShape sh, bool backward) {
   const int64_t si = blockIdx.x, bi = blockIdx.y;
-  for (int64_t k = threadIdx.x; k < sh.rot; k += blockDim.x) {
-    float sv, cv;
-    sincosf(freqs[si * sh.f_ss + bi * sh.f_sb + k], &sv, &cv);
-    cs[k] = cv;
-    sn[k] = sv;
+  const int half = static_cast<int>(sh.rot / 2);
+  const int nrot = half / VEC, npass = static_cast<int>((sh.d - sh.rot) / VEC);
+  const int per_head = nrot + npass;
+  const int items0 = static_cast<int>(sh.t[0].h) * per_head;
+  const int n_items = items0 + (sh.n > 1 ? static_cast<int>(sh.t[1].h) * per_head : 0);
+  const int it = blockIdx.z * blockDim.x + threadIdx.x;  // this thread's (tensor, head, pack)
+  if (it >= n_items) return;
+  const int ti = it < items0 ? 0 : 1;
+  // Selects rather than indexing: a dynamic index into kernel parameters goes through local memory.
+  const RopeTensor tt = ti == 0 ? sh.t[0] : sh.t[1];
+  const T* in = ti == 0 ? ptr.in[0] : ptr.in[1];
+  T* out = ti == 0 ? ptr.out[0] : ptr.out[1];
+  const int local = it - ti * items0;
+  const int head = local / per_head, k = local - head * per_head;
+  const T* src = in + si * tt.in_ss + bi * tt.in_sb + head * tt.in_sh;
+  T* dst = out + si * tt.out_ss + bi * tt.out_sb + head * tt.out_sh;
+  if (k >= nrot) {  // partial rotary: features past rot pass through
+    const int j = static_cast<int>(sh.rot) + (k - nrot) * VEC;
+    store_stream<T, VEC>(dst + j, load_stream<T, VEC>(src + j));
+    return;
   }
-  __syncthreads();
-  const int64_t half = sh.rot / 2;
-  const int64_t nrot = half / VEC, npass = (sh.d - sh.rot) / VEC, per_head = nrot + npass;
-  const T* tb = t + si * sh.in_ss + bi * sh.in_sb;
-  T* ob = out + si * sh.out_ss + bi * sh.out_sb;
+  const int j = k * VEC;
+  const Pack<T, VEC> p1 = load_stream<T, VEC>(src + j), p2 = load_stream<T, VEC>(src + half + j);
+  const int64_t f0 = si * sh.f_ss + bi * sh.f_sb;
+  // Forward uses sin(f[j]) for the first half and sin(f[j+half]) for the
+  // second; the transpose swaps which sine goes where and flips signs.
+  const Pack<float, VEC> c1 = load_pack<float, VEC>(cos_f + f0 + j);
+  const Pack<float, VEC> c2 = load_pack<float, VEC>(cos_f + f0 + half + j);
+  const Pack<float, VEC> s1 = load_pack<float, VEC>(sin_f + f0 + (backward ? half + j : j));
+  const Pack<float, VEC> s2 = load_pack<float, VEC>(sin_f + f0 + (backward ? j : half + j));
   const float sgn = backward ? -1.f : 1.f;
-  for (int64_t it = threadIdx.x; it < sh.h * per_head; it += blockDim.x) {
-    const int64_t head = it / per_head, k = it - head * per_head;
-    const T* th = tb + head * sh.in_sh;
-    T* oh = ob + head * sh.out_sh;
-    if (k < nrot) {
-      const int64_t j = k * VEC;
-      const Pack<T, VEC> p1 = load_pack<T, VEC>(th + j);
-      const Pack<T, VEC> p2 = load_pack<T, VEC>(th + half + j);
-      Pack<T, VEC> o1, o2;
+  Pack<T, VEC> o1, o2;
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) {
-        const float x1 = static_cast<float>(p1.v[v]), x2 = static_cast<float>(p2.v[v]);
-        const float c1 = cs[j + v], c2 = cs[half + j + v];
-        // Forward uses sin(f[j]) for the first half and sin(f[j+half]) for the
-        // second; the transpose swaps which sine goes where and flips signs.
-        const float s1 = backward ? sn[half + j + v] : sn[j + v];
-        const float s2 = backward ? sn[j + v] : sn[half + j + v];
-        o1.v[v] = static_cast<T>(x1 * c1 - sgn * x2 * s1);
-        o2.v[v] = static_cast<T>(x2 * c2 + sgn * x1 * s2);
-      }
-      store_pack<T, VEC>(oh + j, o1);
-      store_pack<T, VEC>(oh + half + j, o2);
-    } else {
-      const int64_t j = sh.rot + (k - nrot) * VEC;
-      store_pack<T, VEC>(oh + j, load_pack<T, VEC>(th + j));
-    }
+  for (int v = 0; v < VEC; ++v) {
+    const float x1 = static_cast<float>(p1.v[v]), x2 = static_cast<float>(p2.v[v]);
+    o1.v[v] = static_cast<T>(x1 * c1.v[v] - sgn * x2 * s1.v[v]);
+    o2.v[v] = static_cast<T>(x2 * c2.v[v] + sgn * x1 * s2.v[v]);
   }
+  store_stream<T, VEC>(dst + j, o1);
+  store_stream<T, VEC>(dst + half + j, o2);
 }
 
 }  // namespace
 
-void rope_apply(const at::Tensor& t, const at::Tensor& freqs, at::Tensor& out, bool backward) {
-  TORCH_CHECK(t.is_cuda() && t.dim() == 4 && t.stride(3) == 1,
-              "rope: t must be a 4-D [s, b, h, d] CUDA view with a contiguous last dim, got sizes ",
-              t.sizes(), " strides ", t.strides());
-  TORCH_CHECK(out.sizes() == t.sizes() && out.stride(3) == 1 && out.scalar_type() == t.scalar_type() &&
-                  out.device() == t.device(),
-              "rope: out must match t's sizes, dtype and device with a contiguous last dim");
-  const int64_t s = t.size(0), d = t.size(3);
-  TORCH_CHECK(freqs.scalar_type() == at::kFloat && freqs.is_contiguous() && freqs.dim() == 3 &&
-                  freqs.size(0) == s && (freqs.size(1) == 1 || freqs.size(1) == t.size(1)) &&
-                  freqs.device() == t.device(),
-              "rope: freqs must be a contiguous float32 [s, 1 or b, rot_dim] tensor with s = ", s,
-              ", b = ", t.size(1), ", got ", freqs.sizes(), " ", freqs.scalar_type());
-  const int64_t rot = freqs.size(2);
+void rope_apply(const std::vector<at::Tensor>& ts, const at::Tensor& cos, const at::Tensor& sin,
+                const std::vector<at::Tensor>& outs, bool backward) {
+  TORCH_CHECK(!ts.empty() && ts.size() <= kMaxRopeTensors && outs.size() == ts.size(),
+              "rope: expected 1 or 2 tensors and as many outputs, got ", ts.size(), " and ", outs.size());
+  const at::Tensor& t0 = ts[0];
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor &t = ts[i], &out = outs[i];
+    TORCH_CHECK(t.is_cuda() && t.dim() == 4 && t.stride(3) == 1,
+                "rope: t must be a 4-D [s, b, h, d] CUDA view with a contiguous last dim, got sizes ",
+                t.sizes(), " strides ", t.strides());
+    TORCH_CHECK(t.size(0) == t0.size(0) && t.size(1) == t0.size(1) && t.size(3) == t0.size(3) &&
+                    t.scalar_type() == t0.scalar_type() && t.device() == t0.device(),
+                "rope: the tensors must share s, b, d, dtype and device, got ", t.sizes(), " and ",
+                t0.sizes());
+    TORCH_CHECK(out.sizes() == t.sizes() && out.stride(3) == 1 && out.scalar_type() == t.scalar_type() &&
+                    out.device() == t.device(),
+                "rope: out must match t's sizes, dtype and device with a contiguous last dim");
+    // Offsets within one (s, b) slice are 32-bit in the kernel.
+    TORCH_CHECK(t.size(2) * std::max(t.stride(2), out.stride(2)) < (int64_t{1} << 31),
+                "rope: heads * head stride must be below 2^31 elements");
+  }
+  const int64_t s = t0.size(0), b = t0.size(1), d = t0.size(3);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.dim() == 3 &&
+                  cos.size(0) == s && (cos.size(1) == 1 || cos.size(1) == b) && cos.device() == t0.device(),
+              "rope: cos must be a contiguous float32 [s, 1 or b, rot_dim] tensor with s = ", s,
+              ", b = ", b, ", got ", cos.sizes(), " ", cos.scalar_type());
+  TORCH_CHECK(sin.scalar_type() == at::kFloat && sin.is_contiguous() && sin.sizes() == cos.sizes() &&
+                  sin.device() == cos.device(),
+              "rope: sin must be a contiguous float32 tensor shaped like cos ", cos.sizes(), ", got ",
+              sin.sizes(), " ", sin.scalar_type());
+  const int64_t rot = cos.size(2);
   TORCH_CHECK(rot >= 2 && rot % 2 == 0 && rot <= d, "rope: rot_dim must be even and in [2, d = ", d,
               "], got ", rot);
-  TORCH_CHECK(t.size(1) <= 65535, "rope: batch size must be at most 65535, got ", t.size(1));
-  c10::cuda::CUDAGuard guard(t.device());
-  if (t.numel() == 0) return;
-  RopeShape sh{s, t.size(1), t.size(2), d, rot,
-               freqs.stride(0), freqs.size(1) == 1 ? 0 : freqs.stride(1),
-               t.stride(0), t.stride(1), t.stride(2),
-               out.stride(0), out.stride(1), out.stride(2)};
+  TORCH_CHECK(b <= 65535, "rope: batch size must be at most 65535, got ", b);
+  c10::cuda::CUDAGuard guard(t0.device());
+  if (t0.numel() == 0 && (ts.size() == 1 || ts[1].numel() == 0)) return;
+  RopeShape sh{s, b, d, rot, cos.stride(0), cos.size(1) == 1 ? 0 : cos.stride(1),
+               static_cast<int>(ts.size()), {}};
+  int64_t heads = 0;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor &t = ts[i], &out = outs[i];
+    sh.t[i] = {t.size(2), t.stride(0), t.stride(1), t.stride(2), out.stride(0), out.stride(1), out.stride(2)};
+    heads += t.size(2);
+  }
   auto stream = c10::cuda::getCurrentCUDAStream();
-  P3D_DISPATCH_FLOATING(t.scalar_type(), "rope", [&] {
+  P3D_DISPATCH_FLOATING(t0.scalar_type(), "rope", [&] {
     using T = scalar_t;
     constexpr int V = vec16<T>();
-    bool vec = (rot / 2) % V == 0 && (d - rot) % V == 0 && aligned16(t.data_ptr()) &&
-               aligned16(out.data_ptr());
-    for (int i = 0; i < 3; ++i) vec = vec && t.stride(i) % V == 0 && out.stride(i) % V == 0;
+    bool vec = (rot / 2) % V == 0 && (d - rot) % V == 0 && aligned16(cos.data_ptr()) &&
+               aligned16(sin.data_ptr());
+    RopePtrs<T> ptr{};
+    for (size_t i = 0; i < ts.size(); ++i) {
+      const at::Tensor &t = ts[i], &out = outs[i];
+      vec = vec && aligned16(t.data_ptr()) && aligned16(out.data_ptr());
+      for (int j = 0; j < 3; ++j) vec = vec && t.stride(j) % V == 0 && out.stride(j) % V == 0;
+      ptr.in[i] = t.data_ptr<T>();
+      ptr.out[i] = out.data_ptr<T>();
+    }
     auto launch = [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
-      const int64_t work = sh.h * ((rot / 2) / VEC + (d - rot) / VEC);
-      const int threads = work >= 256 ? 256 : round_up(work, 32);
-      const dim3 grid(static_cast<unsigned>(s), static_cast<unsigned>(sh.b));
-      rope_kernel<T, VEC><<<grid, threads, 2 * rot * sizeof(float), stream>>>(
-          t.data_ptr<T>(), freqs.data_ptr<float>(), out.data_ptr<T>(), sh, backward);
+      const int64_t work = heads * ((rot / 2) / VEC + (d - rot) / VEC);
+      TORCH_CHECK(work <= int64_t{65535} * kRopeThreads, "rope: heads * head_dim too large: ", work);
+      const int threads = work >= kRopeThreads ? kRopeThreads : round_up(work, 32);
+      const dim3 grid(static_cast<unsigned>(s), static_cast<unsigned>(b),
+                      static_cast<unsigned>((work + threads - 1) / threads));
+      rope_kernel<T, VEC><<<grid, threads, 0, stream>>>(ptr, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                                         sh, backward);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (vec)

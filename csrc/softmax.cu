@@ -7,13 +7,14 @@
 //   backward: dx[i, j] = scale * y[i, j] * (dy[i, j] - sum_{k <= i} dy[i, k] * y[i, k])
 //
 // fp32 arithmetic for every dtype.  Launch geometry: one block per row,
-// row_threads() threads (about 4 packs each).  Forward reads only the i + 1
-// unmasked entries, once, into a shared-memory fp32 cache (each thread touches
-// only its own packs, so the cache needs no barriers), then takes the max, the
-// exponentials and the sum from the cache and writes the whole row (zeros past
-// the diagonal).  Backward reads y and dy over j <= i for the row sum, re-reads
-// them (L1/L2 hits) to write dx, and writes zeros past the diagonal without
-// reading.  sk up to 16384 (a 64 KB cache).
+// row_threads() threads (about 4 packs each), several blocks per SM.  Each
+// pass reads only the unmasked entries j <= i, once, into a shared-memory
+// cache (each thread touches only its own packs, so the cache needs no
+// barriers): forward caches scale * x in fp32 and takes the max, the
+// exponentials and the sum from it; backward caches y and dy and takes their
+// dot product.  Then the whole row is written, zeros past the diagonal without
+// reading anything.  sk up to 16384 (a 64 KB forward cache, 2 * 16384 * sizeof(T)
+// backward).
 #include "common.cuh"
 #include "ops.h"
 
@@ -73,12 +74,16 @@ template <typename T, int VEC>
 __global__ void causal_softmax_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ y,
                                           T* __restrict__ dx, int64_t rows, int64_t sq, int64_t sk,
                                           float scale) {
+  // The row's unmasked packs: y at cache[i], dy at cache[nvec + i].  Each
+  // thread reads back only the packs it wrote, so no barrier guards the cache.
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Pack<T, VEC>* cache = reinterpret_cast<Pack<T, VEC>*>(smem_raw);
   __shared__ float red[32];
   const int tid = threadIdx.x, nt = blockDim.x;
   const int64_t nvec = sk / VEC;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t len = r % sq + 1;
-    const int64_t nvalid = (len + VEC - 1) / VEC;
+    const int64_t len = r % sq + 1;                // unmasked columns [0, len)
+    const int64_t nvalid = (len + VEC - 1) / VEC;  // packs holding unmasked columns
     const T* yr = y + r * sk;
     const T* gr = dy + r * sk;
     float dot = 0.f;
@@ -86,6 +91,8 @@ __global__ void causal_softmax_bwd_kernel(const T* __restrict__ dy, const T* __r
     for (int64_t i = tid; i < nvalid; i += nt) {
       const Pack<T, VEC> yp = load_pack<T, VEC>(yr + i * VEC);
       const Pack<T, VEC> gp = load_pack<T, VEC>(gr + i * VEC);
+      cache[i] = yp;
+      cache[nvec + i] = gp;
 #pragma unroll
       for (int v = 0; v < VEC; ++v)
         if (i * VEC + v < len) dot += static_cast<float>(yp.v[v]) * static_cast<float>(gp.v[v]);
@@ -96,8 +103,7 @@ __global__ void causal_softmax_bwd_kernel(const T* __restrict__ dy, const T* __r
     for (int64_t i = tid; i < nvec; i += nt) {
       Pack<T, VEC> o;
       if (i < nvalid) {
-        const Pack<T, VEC> yp = load_pack<T, VEC>(yr + i * VEC);
-        const Pack<T, VEC> gp = load_pack<T, VEC>(gr + i * VEC);
+        const Pack<T, VEC> yp = cache[i], gp = cache[nvec + i];
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
           const float yv = static_cast<float>(yp.v[v]);
@@ -175,10 +181,13 @@ at::Tensor scaled_upper_triang_masked_softmax_bwd(const at::Tensor& dy, const at
     using T = scalar_t;
     auto launch = [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
-      causal_softmax_bwd_kernel<T, VEC>
-          <<<static_cast<unsigned>(grid_rows(rows)), row_threads(sk / VEC, 4), 0, stream>>>(
-              dy.data_ptr<T>(), y.data_ptr<T>(), dx.data_ptr<T>(), rows, sq, sk,
-              static_cast<float>(scale));
+      auto kernel = causal_softmax_bwd_kernel<T, VEC>;
+      const size_t smem = 2 * static_cast<size_t>(sk) * sizeof(T);
+      if (smem > 48 * 1024)
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+      kernel<<<static_cast<unsigned>(grid_rows(rows)), row_threads(sk / VEC, 4), smem, stream>>>(
+          dy.data_ptr<T>(), y.data_ptr<T>(), dx.data_ptr<T>(), rows, sq, sk, static_cast<float>(scale));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (use_vec<T>(sk, {dy.data_ptr(), y.data_ptr(), dx.data_ptr()}))

@@ -122,7 +122,7 @@ def _plain_scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float) -> 
 
 
 from parallel3d.fused import (  # noqa: E402 - the kernels (with their own fallbacks) where a flag is on
-    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_qk,
     bias_dropout_add,
     bias_gelu,
     bias_swiglu,
@@ -390,8 +390,10 @@ class SelfAttention(nn.Module):
         q, k, v = torch.split(mixed, [q_per_group * d, d, d], dim=3)
         q = q.reshape(s, b, self.heads_per_rank, d)
         if rotary_pos_emb is not None:
-            rope = apply_rotary_pos_emb if cfg.apply_rope_fusion else _plain_apply_rotary_pos_emb
-            q, k = rope(q, rotary_pos_emb), rope(k, rotary_pos_emb)
+            if cfg.apply_rope_fusion:
+                q, k = apply_rotary_pos_emb_qk(q, k, rotary_pos_emb)
+            else:
+                q, k = _plain_apply_rotary_pos_emb(q, rotary_pos_emb), _plain_apply_rotary_pos_emb(k, rotary_pos_emb)
         if inference_params is not None:
             k, v, attention_mask = self._update_kv_cache(k, v, attention_mask, inference_params)
         if cfg.recompute_granularity == "selective" and self.training:

@@ -33,6 +33,10 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CPU_DTYPES = [torch.float32, torch.bfloat16]
 GPU_ROWS_HIDDEN = [(r, h) for r in (1, 3, 1023) for h in (1, 7, 1000, 4097, 16384)]
+# The norm kernels also change shape with the row: 16383 takes 16 scalar packs per
+# thread, 2048 puts several rows in a block (257 leaves one partly filled), and
+# 20000 rows of 64 make each block of the persistent backward grid loop.
+NORM_GPU_ROWS_HIDDEN = GPU_ROWS_HIDDEN + [(3, 16383), (257, 2048), (20000, 64)]
 CPU_ROWS_HIDDEN = [(1, 1), (3, 7), (37, 1000), (2, 4097)]
 
 
@@ -240,6 +244,34 @@ def _check_rope_bhsd(device, dtype, b, h, s, d):
     )
 
 
+def _check_rope_qk(device, dtype, layout):
+    """q and k (grouped-query: 8 and 2 heads) rotated in one call, against two reference calls."""
+    s, b, d = 33, 2, 64
+    if layout == "sbhd":  # partial rotary, Megatron's [S, 1, 1, rot] freqs
+        q, k = randn(s, b, 8, d, dtype=dtype, device=device), randn(s, b, 2, d, dtype=dtype, device=device)
+        freqs = rope_freqs(s + 5, 48, device)[:, None, None]
+
+        def ref(t):
+            return ref_rope_megatron(t, freqs[:s].double())
+    else:
+        q, k = randn(b, 8, s, d, dtype=dtype, device=device), randn(b, 2, s, d, dtype=dtype, device=device)
+        freqs = rope_freqs(s, d, device)
+
+        def ref(t):
+            return ref_rope_hf(t, freqs.double())
+
+    qa, ka = q.clone().requires_grad_(), k.clone().requires_grad_()
+    out_q, out_k = fused.apply_rotary_pos_emb_qk(qa, ka, freqs, layout)
+    dq, dk = torch.randn_like(out_q), torch.randn_like(out_k)
+    torch.autograd.backward([out_q, out_k], [dq, dk])
+    for t, out, dy, grad in ((q, out_q, dq, qa.grad), (k, out_k, dk, ka.grad)):
+        t64 = t.double().requires_grad_()
+        ref_out = ref(t64)
+        ref_out.backward(dy.double())
+        assert rel_err(out, ref_out) <= TOL[dtype]
+        assert rel_err(grad, t64.grad) <= TOL[dtype]
+
+
 def _check_causal_softmax(device, dtype, batches, s):
     x = randn(batches, s, s, dtype=dtype, device=device, scale=4.0)
     scale = 0.37
@@ -334,6 +366,11 @@ def test_rope_per_sample_freqs_cpu():
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_rope_bhsd_cpu(dtype):
     _check_rope_bhsd("cpu", dtype, 2, 3, 11, 32)
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "bhsd"])
+def test_rope_qk_cpu(layout):
+    _check_rope_qk("cpu", torch.float32, layout)
 
 
 def test_rope_layouts_agree_cpu():
@@ -487,7 +524,7 @@ def test_bias_swiglu_no_bias_gpu(poisoned, dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,hidden", GPU_ROWS_HIDDEN)
+@pytest.mark.parametrize("rows,hidden", NORM_GPU_ROWS_HIDDEN)
 def test_layer_norm_gpu(poisoned, dtype, rows, hidden):
     _check_layer_norm("cuda", dtype, rows, hidden)
 
@@ -504,7 +541,7 @@ def test_layer_norm_no_bias_and_non_contiguous_gpu(poisoned, dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,hidden", GPU_ROWS_HIDDEN)
+@pytest.mark.parametrize("rows,hidden", NORM_GPU_ROWS_HIDDEN)
 def test_rms_norm_gpu(poisoned, dtype, rows, hidden):
     _check_rms_norm("cuda", dtype, rows, hidden)
 
@@ -514,7 +551,7 @@ def test_rms_norm_gpu(poisoned, dtype, rows, hidden):
 @pytest.mark.parametrize(
     "s,b,h,d,rot",
     [(1, 1, 1, 2, 2), (7, 3, 5, 64, 64), (33, 2, 4, 128, 64), (17, 2, 3, 96, 32), (5, 2, 3, 80, 40),
-     (9, 1, 2, 10, 6), (128, 2, 8, 128, 128)],
+     (9, 1, 2, 10, 6), (128, 2, 8, 128, 128), (64, 4, 32, 128, 128)],
 )
 def test_rope_sbhd_gpu(poisoned, dtype, s, b, h, d, rot):
     _check_rope_sbhd("cuda", dtype, s, b, h, d, rot)
@@ -524,6 +561,34 @@ def test_rope_sbhd_gpu(poisoned, dtype, s, b, h, d, rot):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_per_sample_freqs_gpu(poisoned, dtype):
     _check_rope_sbhd("cuda", dtype, 19, 3, 4, 64, 32, per_sample=True)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["sbhd", "bhsd"])
+def test_rope_qk_gpu(poisoned, dtype, layout):
+    _check_rope_qk("cuda", dtype, layout)
+
+
+@gpu
+def test_rope_follows_freqs_changed_in_place_gpu():
+    """The kernel's cos/sin are computed once per freqs tensor; an in-place change must not reuse them."""
+    t = randn(7, 2, 3, 32, dtype=torch.float32, device="cuda")
+    freqs = rope_freqs(7, 32, "cuda")[:, None, None]
+    fused.apply_rotary_pos_emb(t, freqs, "sbhd")
+    freqs.mul_(2.0)
+    out = fused.apply_rotary_pos_emb(t, freqs, "sbhd")
+    assert rel_err(out, ref_rope_megatron(t.double(), freqs.double())) <= 1e-6
+
+
+@gpu
+def test_rope_far_positions_gpu():
+    """Angles of thousands of radians (position 8191 x inv_freq 1) are as exact as torch's cos/sin."""
+    s, d = 8192, 64
+    t = randn(s, 1, 2, d, dtype=torch.float32, device="cuda")
+    freqs = rope_freqs(s, d, "cuda")[:, None, None]
+    out = fused.apply_rotary_pos_emb(t, freqs, "sbhd")
+    assert rel_err(out, ref_rope_megatron(t.double(), freqs.double())) <= 1e-6
 
 
 @gpu
@@ -547,7 +612,7 @@ def test_rope_strided_view_gpu(poisoned, dtype):
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batches,s", [(1, 1), (3, 7), (2, 1000), (1, 4097), (1, 16384)])
+@pytest.mark.parametrize("batches,s", [(1, 1), (3, 7), (2, 1000), (1, 4097), (1, 9001), (1, 16384)])
 def test_causal_softmax_gpu(poisoned, dtype, batches, s):
     _check_causal_softmax("cuda", dtype, batches, s)
 
@@ -572,9 +637,13 @@ def test_bias_dropout_add_gpu(poisoned, dtype, rows, hidden):
     b = randn(hidden, dtype=dtype, device="cuda")
     r = randn(rows, hidden, dtype=dtype, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    out, (dx, db, dr), dy = fwd_bwd(lambda x, b, r: fused.bias_dropout_add(x, b, r, p, True, gen), [x, b, r], [0, 1, 2])
+    dy = randn(rows, hidden, dtype=dtype, device="cuda")
+    dy[dy == 0] = 1.0  # a normal draw can round to 0 in fp16; kept elements must have dx != 0
+    out, (dx, db, dr), dy = fwd_bwd(
+        lambda x, b, r: fused.bias_dropout_add(x, b, r, p, True, gen), [x, b, r], [0, 1, 2], dy=dy
+    )
     assert torch.equal(dr, dy)
-    keep = dx != 0  # dy is random normal: no exact zeros where kept
+    keep = dx != 0
     mask = keep.double()
     ref_out = r.double() + mask * (x.double() + b.double()) / (1 - p)
     assert rel_err(out, ref_out) <= TOL[dtype]
@@ -598,6 +667,7 @@ def test_bias_dropout_add_eval_gpu(poisoned, dtype):
 @gpu
 def test_dropout_mask_reproduced_when_generator_state_restored(poisoned):
     x, r = randn(1000, 1024, dtype=torch.bfloat16, device="cuda"), randn(1000, 1024, dtype=torch.bfloat16, device="cuda")
+    x[x == 0] = 1.0  # CUDA's randn returns an exact 0 about once in 10^7 draws; kept elements are read as x != 0
     b = randn(1024, dtype=torch.bfloat16, device="cuda")
     # Explicit generator.
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -619,7 +689,7 @@ def test_dropout_mask_reproduced_when_generator_state_restored(poisoned):
     # Kept elements, read without residual or bias (r + a small kept value can round back to r in
     # bf16, and x + b can be exactly 0).
     torch.cuda.set_rng_state(cuda_state)
-    kept = fused.bias_dropout_add(x, None, torch.zeros_like(r), 0.1, True) != 0  # x has no exact zeros
+    kept = fused.bias_dropout_add(x, None, torch.zeros_like(r), 0.1, True) != 0
     torch.cuda.set_rng_state(cuda_state)
     xr = x.clone().requires_grad_()
     fused.bias_dropout_add(xr, b, r, 0.1, True).sum().backward()

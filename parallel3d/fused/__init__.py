@@ -13,11 +13,12 @@ from parallel3d.fused.bias_swiglu import bias_swiglu
 from parallel3d.fused.grad_accum import wgrad_accumulate
 from parallel3d.fused.layer_norm import layer_norm
 from parallel3d.fused.rms_norm import rms_norm
-from parallel3d.fused.rope import apply_rotary_pos_emb
+from parallel3d.fused.rope import apply_rotary_pos_emb, apply_rotary_pos_emb_qk
 from parallel3d.fused.softmax import scaled_upper_triang_masked_softmax
 
 __all__ = [
     "apply_rotary_pos_emb",
+    "apply_rotary_pos_emb_qk",
     "bias_dropout_add",
     "bias_gelu",
     "bias_swiglu",

@@ -9,7 +9,9 @@ is a pure function of the generator's state at the call.
   Restoring the generator state (``torch.cuda.set_rng_state``,
   ``Generator.set_state`` or an RNG-tracker fork) and calling again reproduces
   the mask bit for bit.  The mask is not stored: backward regenerates it from
-  the saved (seed, offset), a 16-byte device tensor.
+  the saved (seed, offset), a 16-byte device tensor.  Each element draws a
+  16-bit uniform, so the keep probability is ``1 - prob`` rounded to a multiple
+  of 2**-16; the scale is exactly ``1 / (1 - prob)``.
 * PyTorch fallback: ``torch.nn.functional.dropout`` (default generator) or
   ``bernoulli_(generator=...)``, which honour the generator state the same way.
   The two paths draw different masks from the same state.

@@ -11,7 +11,8 @@ freqs are the angles ``cat(inv_freq * pos, inv_freq * pos)``; the first
 
 and features past ``rot_dim`` pass through (partial rotary).  Only the first s
 rows of freqs are used (S >= s), like Megatron's fused path.  Arithmetic is fp32
-and the result is rounded once to t's dtype.
+and the result is rounded once to t's dtype.  The kernel takes fp32 cos and sin
+of the angles, computed by torch once per freqs tensor (see ``_cos_sin``).
 """
 from __future__ import annotations
 
@@ -27,22 +28,42 @@ def _as_sbhd(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 class _RoPEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, freqs3d: torch.Tensor, layout: str) -> torch.Tensor:
-        out = torch.empty_like(t)
-        _ext.get_ext().rope_apply(_as_sbhd(t, layout), freqs3d, _as_sbhd(out, layout), False)
-        ctx.save_for_backward(freqs3d)
-        ctx.layout = layout
-        return out
+    """Rotates one tensor or two (q and k) in one kernel launch."""
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        (freqs3d,) = ctx.saved_tensors
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        dt = torch.empty_like(dy)
-        _ext.get_ext().rope_apply(_as_sbhd(dy, ctx.layout), freqs3d, _as_sbhd(dt, ctx.layout), True)
-        return dt, None, None
+    def forward(ctx, cos: torch.Tensor, sin: torch.Tensor, layout: str, *ts: torch.Tensor):
+        outs = [torch.empty_like(t) for t in ts]
+        _ext.get_ext().rope_apply([_as_sbhd(t, layout) for t in ts], cos, sin, [_as_sbhd(o, layout) for o in outs], False)
+        ctx.save_for_backward(cos, sin)
+        ctx.layout = layout
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *dys: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        dys = [dy if dy.stride(-1) == 1 else dy.contiguous() for dy in dys]
+        dts = [torch.empty_like(dy) for dy in dys]
+        _ext.get_ext().rope_apply(
+            [_as_sbhd(dy, ctx.layout) for dy in dys], cos, sin, [_as_sbhd(dt, ctx.layout) for dt in dts], True
+        )
+        return (None, None, None, *dts)
+
+
+def _cos_sin(freqs: torch.Tensor, f3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin of f3 (a view of freqs), contiguous, for the kernel.
+
+    Every layer of a forward (and its recomputation) passes the same freqs
+    tensor, so they are computed once per step and kept on that tensor, keyed by
+    the view taken and freqs' version counter (an in-place change recomputes).
+    """
+    key = (tuple(f3.shape), f3.stride(), f3.storage_offset(), freqs._version)
+    cached = getattr(freqs, "_parallel3d_cos_sin", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    f = f3.float()
+    cos_sin = (torch.cos(f).contiguous(), torch.sin(f).contiguous())
+    freqs._parallel3d_cos_sin = (key, cos_sin)
+    return cos_sin
 
 
 def _freqs_3d(t: torch.Tensor, freqs: torch.Tensor, layout: str) -> torch.Tensor:
@@ -89,15 +110,39 @@ def _reference(t: torch.Tensor, f3: torch.Tensor, layout: str) -> torch.Tensor:
     return torch.cat((out, t_pass), dim=-1)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd") -> torch.Tensor:
-    """Rotate the first ``freqs.shape[-1]`` features of every head of t by the angles in freqs."""
-    f3 = _freqs_3d(t, freqs, layout)
-    if (
+def _kernel_ok(t: torch.Tensor, freqs: torch.Tensor, layout: str) -> bool:
+    return (
         _ext.use_kernel(t, freqs)
         and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and t.shape[1 if layout == "sbhd" else 0] <= 65535
-    ):
-        if t.stride(-1) != 1:
-            t = t.contiguous()
-        return _RoPEFunction.apply(t, f3.float().contiguous(), layout)
+    )
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd") -> torch.Tensor:
+    """Rotate the first ``freqs.shape[-1]`` features of every head of t by the angles in freqs."""
+    f3 = _freqs_3d(t, freqs, layout)
+    if _kernel_ok(t, freqs, layout):
+        return _RoPEFunction.apply(*_cos_sin(freqs, f3), layout, _last_dim_contiguous(t))[0]
     return _reference(t, f3, layout)
+
+
+def apply_rotary_pos_emb_qk(
+    q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(apply_rotary_pos_emb(q, freqs), apply_rotary_pos_emb(k, freqs))`` in one kernel launch.
+
+    q and k may differ in head count (grouped-query attention) but share the
+    other dimensions and the dtype.
+    """
+    f3 = _freqs_3d(q, freqs, layout)
+    _freqs_3d(k, freqs, layout)
+    same = q.dtype == k.dtype and q.device == k.device and (
+        q.shape[:2] == k.shape[:2] if layout == "sbhd" else (q.shape[0], q.shape[2]) == (k.shape[0], k.shape[2])
+    ) and q.shape[-1] == k.shape[-1]
+    if same and _kernel_ok(q, freqs, layout) and _kernel_ok(k, freqs, layout):
+        return _RoPEFunction.apply(*_cos_sin(freqs, f3), layout, _last_dim_contiguous(q), _last_dim_contiguous(k))
+    return apply_rotary_pos_emb(q, freqs, layout), apply_rotary_pos_emb(k, freqs, layout)
