@@ -10,7 +10,7 @@ Options are Megatron-LM's (``python examples/pretrain_gpt.py --help``). Without
 ``--data-path`` it trains on the Python documentation that ships with Python
 (``pydoc_data.topics``), tokenized to bytes; nothing is downloaded. GPUs use
 nccl, CPUs gloo. ``--sample-prompt TEXT`` prints a greedy continuation from the
-trained model at the end (parallel3d.generation, as tools/generate.py).
+trained model at the end (models.generation, as tools/generate.py).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from parallel3d.data import (  # noqa: E402
     build_tokenizer,
     build_train_valid_test_datasets,
 )
-from parallel3d.generation import generate  # noqa: E402
+from models.generation import generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
 from parallel3d.training import device, initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
@@ -179,7 +179,7 @@ def forward_step(per_token: bool, data_iterator, model):
 
 def sample_continuation(model: list, tokenizer, config: TransformerConfig, prompt: str,
                         num_tokens: int) -> tuple[str, int]:
-    """(text, tokens generated): a greedy continuation through the pipeline with parallel3d.generation
+    """(text, tokens generated): a greedy continuation through the pipeline with models.generation
     (KV cache; the code path of tools/generate.py). A learned position table bounds prompt +
     continuation: the prompt keeps its last tokens that fit and the continuation stops at the table's end."""
     ids = tokenizer.tokenize(prompt) or [tokenizer.eod]

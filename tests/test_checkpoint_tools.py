@@ -26,7 +26,7 @@ from models.config import gpt2_config, llama_config
 from models.gpt import InferenceParams
 from parallel3d import parallel_state as ps
 from parallel3d.checkpointing import LATEST_FILE, model_state_for_save
-from parallel3d.generation import check_generation_args, generate, sample_token
+from models.generation import check_generation_args, generate, sample_token
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.testing import run_distributed
 

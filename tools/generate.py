@@ -44,7 +44,7 @@ from parallel3d.checkpointing import (  # noqa: E402
 )
 from parallel3d.data import build_tokenizer  # noqa: E402
 from parallel3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
-from parallel3d.generation import check_generation_args, generate  # noqa: E402
+from models.generation import check_generation_args, generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from tools.checkpoint.parallel3d_format import config_from_metadata  # noqa: E402
 from tools.checkpoint.schema import ConversionError  # noqa: E402
