@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repo root: Megatron-Core and parallel3d side by side, same card, same call.
-#   bash bench/run_gpu_benches.sh fused-tests ddp pipeline kernels
+#   bash bench/run_gpu_benches.sh fused-tests single ddp pipeline kernels   (single: one GPU)
 # PARALLEL3D_JIT=1 (set here) builds csrc/ once into ~/.cache; the GPT runs then use the kernels.
 # Needs .whl/ with the megatron-core wheel and the anchor scripts (see ../shared/anchors/README.md).
 set -u
@@ -11,13 +11,19 @@ if ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-index --target /tmp/mcore .whl/megatron_core-*.whl
   export PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH}
 fi
+# Build the kernels once here, before any multi-process run: two ranks JIT-building at the same time
+# stalled a PP=2 run past its 240 s timeout once (2 x H200, 2026-11-26).
+if [ "$PARALLEL3D_JIT" = 1 ]; then
+  python3 -c "from parallel3d.fused import _ext; _ext.get_ext() or print('kernels not built:', _ext.load_error())"
+fi
 for what in "$@"; do
   case "$what" in
     fused-tests) OUT=$OUT/fused bash bench/gpu_check.sh tests > "$OUT/fused_tests.log" 2>&1; tail -n 25 "$OUT/fused_tests.log" ;;
     ddp) python3 bench/ddp_bench.py ;;
+    single) python3 bench/single_gpu_bench.py ;;
     pipeline) python3 bench/pipeline_bench.py ;;
     kernels) python3 bench/kernels_bench.py ;;
-    *) echo "unknown benchmark $what (fused-tests, ddp, pipeline, kernels)"; exit 2 ;;
+    *) echo "unknown benchmark $what (fused-tests, single, ddp, pipeline, kernels)"; exit 2 ;;
   esac
 done
 # At most a few files come back from the device machine: pack the logs into one.
