@@ -167,14 +167,6 @@ uint32_t dropout_threshold(double prob) {
   return static_cast<uint32_t>(t < 0.0 ? 0.0 : (t > 65535.0 ? 65535.0 : t));
 }
 
-template <typename T>
-bool use_vec(int64_t cols, std::initializer_list<const void*> ptrs) {
-  if (cols % vec16<T>() != 0) return false;
-  for (const void* p : ptrs)
-    if (!aligned16(p)) return false;
-  return true;
-}
-
 }  // namespace
 
 std::vector<at::Tensor> bias_dropout_add_fwd(const at::Tensor& x,

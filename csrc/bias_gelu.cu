@@ -101,14 +101,6 @@ __global__ void bias_gelu_bwd_kernel(const T* __restrict__ dy, const T* __restri
   if (dbias_part != nullptr) write_block_partial<VEC>(acc, sm, dbias_part + blockIdx.y * cols, cols);
 }
 
-template <typename T>
-bool use_vec(int64_t cols, std::initializer_list<const void*> ptrs) {
-  if (cols % vec16<T>() != 0) return false;
-  for (const void* p : ptrs)
-    if (!aligned16(p)) return false;
-  return true;
-}
-
 void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias, const char* name) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), name, ": x must be a contiguous CUDA tensor");
   TORCH_CHECK(x.dim() >= 1, name, ": x must have at least one dimension");

@@ -118,14 +118,6 @@ void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias, co
   }
 }
 
-template <typename T>
-bool use_vec(int64_t f, std::initializer_list<const void*> ptrs) {
-  if (f % vec16<T>() != 0) return false;
-  for (const void* p : ptrs)
-    if (!aligned16(p)) return false;
-  return true;
-}
-
 }  // namespace
 
 at::Tensor bias_swiglu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias) {

@@ -112,6 +112,16 @@ inline bool aligned16(const void* p) {
   return p == nullptr || (reinterpret_cast<uintptr_t>(p) % 16) == 0;
 }
 
+// Whether rows of n elements of T can be moved in 16-byte packs: n divides
+// into packs and every pointer (nullptr: absent) is 16-byte aligned.
+template <typename T>
+inline bool use_vec(int64_t n, std::initializer_list<const void*> ptrs) {
+  if (n % vec16<T>() != 0) return false;
+  for (const void* p : ptrs)
+    if (!aligned16(p)) return false;
+  return true;
+}
+
 // ---- reductions (blockDim.x must be a multiple of 32, at most 1024) ----
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

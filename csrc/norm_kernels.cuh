@@ -228,14 +228,6 @@ __global__ void __launch_bounds__(kMaxRowBlockThreads)
 // 1024 threads); the Python wrappers fall back to PyTorch beyond it.
 constexpr int64_t kMaxNormHidden = 16384;
 
-template <typename T>
-inline bool norm_use_vec(int64_t h, std::initializer_list<const void*> ptrs) {
-  if (h % vec16<T>() != 0) return false;
-  for (const void* p : ptrs)
-    if (!aligned16(p)) return false;
-  return true;
-}
-
 inline void norm_check(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
                        const char* name) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 2, name,
@@ -283,7 +275,7 @@ std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const at::Tensor& w,
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       };
-      if (norm_use_vec<T>(h, {x.data_ptr(), w.data_ptr(), bp, y.data_ptr()}))
+      if (use_vec<T>(h, {x.data_ptr(), w.data_ptr(), bp, y.data_ptr()}))
         launch(std::integral_constant<int, vec16<T>()>{});
       else
         launch(std::integral_constant<int, 1>{});
@@ -346,7 +338,7 @@ std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, cons
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     };
-    if (norm_use_vec<T>(h, {dy.data_ptr(), x.data_ptr(), w.data_ptr(), dx.data_ptr()}))
+    if (use_vec<T>(h, {dy.data_ptr(), x.data_ptr(), w.data_ptr(), dx.data_ptr()}))
       launch(std::integral_constant<int, vec16<T>()>{});
     else
       launch(std::integral_constant<int, 1>{});

@@ -126,14 +126,6 @@ void check_x(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.size(2) <= kMaxSk, name, ": sk must be at most ", kMaxSk, ", got ", x.size(2));
 }
 
-template <typename T>
-bool use_vec(int64_t sk, std::initializer_list<const void*> ptrs) {
-  if (sk % vec16<T>() != 0) return false;
-  for (const void* p : ptrs)
-    if (!aligned16(p)) return false;
-  return true;
-}
-
 int64_t grid_rows(int64_t rows) { return rows < (int64_t{1} << 30) ? rows : (int64_t{1} << 30); }
 
 }  // namespace
