@@ -180,12 +180,7 @@ std::vector<at::Tensor> bias_dropout_add_fwd(const at::Tensor& x,
               residual.sizes(), " vs ", x.sizes());
   TORCH_CHECK(prob >= 0.0 && prob < 1.0, "bias_dropout_add: prob must be in [0, 1), got ", prob);
   TORCH_CHECK(x.dim() >= 1, "bias_dropout_add: x must have at least one dimension");
-  if (bias) {
-    TORCH_CHECK(bias->is_contiguous() && bias->dim() == 1 && bias->size(0) == x.size(-1) &&
-                    bias->scalar_type() == x.scalar_type() && bias->device() == x.device(),
-                "bias_dropout_add: bias must be a contiguous vector of size ", x.size(-1),
-                " with x's dtype and device, got ", bias->sizes(), " ", bias->scalar_type());
-  }
+  if (bias) check_row_vector(*bias, x, "bias", "bias_dropout_add");
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = new_output(x.sizes(), x.options());
   at::Tensor seed_offset = at::zeros({2}, x.options().dtype(at::kLong));

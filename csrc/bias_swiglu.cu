@@ -108,14 +108,7 @@ void check_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias, co
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), name, ": x must be a contiguous CUDA tensor");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, name,
               ": the last dimension of x must be even (gate and up halves), got ", x.sizes());
-  if (bias) {
-    TORCH_CHECK(bias->is_cuda() && bias->is_contiguous() && bias->dim() == 1 &&
-                    bias->size(0) == x.size(-1),
-                name, ": bias must be a contiguous CUDA vector of size ", x.size(-1), ", got ",
-                bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type(), name, ": bias dtype ",
-                bias->scalar_type(), " differs from x dtype ", x.scalar_type());
-  }
+  if (bias) check_row_vector(*bias, x, "bias", name);
 }
 
 }  // namespace

@@ -181,7 +181,25 @@ __device__ __forceinline__ float2 block_sum2(float a, float b, float* red) {
   return make_float2(a, b);
 }
 
-// ---- host-side geometry helpers ----
+// ---- host-side checks and launch helpers ----
+
+// `v` (a weight or bias named `what`) is a contiguous vector over x's last
+// dimension with x's dtype and device.
+inline void check_row_vector(const at::Tensor& v, const at::Tensor& x, const char* what, const char* name) {
+  TORCH_CHECK(v.is_contiguous() && v.dim() == 1 && v.size(0) == x.size(-1) &&
+                  v.scalar_type() == x.scalar_type() && v.device() == x.device(),
+              name, ": ", what, " must be a contiguous vector of size ", x.size(-1),
+              " with x's dtype and device, got ", v.sizes(), " ", v.scalar_type(), " on ", v.device());
+}
+
+// A kernel launched with more than the default 48 KB of dynamic shared memory must opt in first.
+template <typename Kernel>
+inline void allow_dynamic_smem(Kernel kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
+}
+
 inline int sm_count() {
   int dev = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));

@@ -234,16 +234,8 @@ inline void norm_check(const at::Tensor& x, const at::Tensor& w, const std::opti
               ": x must be a contiguous 2-D [rows, hidden] CUDA tensor, got ", x.sizes());
   TORCH_CHECK(x.size(1) >= 1 && x.size(1) <= kMaxNormHidden, name, ": hidden size must be in [1, ",
               kMaxNormHidden, "], got ", x.size(1));
-  TORCH_CHECK(w.is_contiguous() && w.dim() == 1 && w.size(0) == x.size(1) &&
-                  w.scalar_type() == x.scalar_type() && w.device() == x.device(),
-              name, ": weight must be a contiguous vector of size ", x.size(1),
-              " with x's dtype and device, got ", w.sizes(), " ", w.scalar_type());
-  if (b) {
-    TORCH_CHECK(b->is_contiguous() && b->dim() == 1 && b->size(0) == x.size(1) &&
-                    b->scalar_type() == x.scalar_type() && b->device() == x.device(),
-                name, ": bias must be a contiguous vector of size ", x.size(1),
-                " with x's dtype and device, got ", b->sizes(), " ", b->scalar_type());
-  }
+  check_row_vector(w, x, "weight", name);
+  if (b) check_row_vector(*b, x, "bias", name);
 }
 
 // Forward: returns {y, mean (LayerNorm only; else undefined), rstd}.
@@ -320,9 +312,7 @@ std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, cons
         auto kernel = norm_bwd_kernel<T, VEC, P, RMS>;
         const int threads = static_cast<int>(g.block.x * g.block.y);
         const size_t smem = static_cast<size_t>(g.block.y) * (RMS ? 1 : 2) * P * VEC * g.block.x * sizeof(float);
-        if (smem > 48 * 1024)
-          C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(smem)));
+        allow_dynamic_smem(kernel, smem);
         int per_sm = 0;
         C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
         TORCH_CHECK(per_sm > 0, name, ": hidden size ", h, " needs ", smem,

@@ -143,9 +143,7 @@ at::Tensor scaled_upper_triang_masked_softmax_fwd(const at::Tensor& x, double sc
       constexpr int VEC = decltype(vec_tag)::value;
       auto kernel = causal_softmax_fwd_kernel<T, VEC>;
       const size_t smem = static_cast<size_t>(sk) * sizeof(float);
-      if (smem > 48 * 1024)
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem)));
+      allow_dynamic_smem(kernel, smem);
       kernel<<<static_cast<unsigned>(grid_rows(rows)), row_threads(sk / VEC, 4), smem, stream>>>(
           x.data_ptr<T>(), y.data_ptr<T>(), rows, sq, sk, static_cast<float>(scale));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -175,9 +173,7 @@ at::Tensor scaled_upper_triang_masked_softmax_bwd(const at::Tensor& dy, const at
       constexpr int VEC = decltype(vec_tag)::value;
       auto kernel = causal_softmax_bwd_kernel<T, VEC>;
       const size_t smem = 2 * static_cast<size_t>(sk) * sizeof(T);
-      if (smem > 48 * 1024)
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem)));
+      allow_dynamic_smem(kernel, smem);
       kernel<<<static_cast<unsigned>(grid_rows(rows)), row_threads(sk / VEC, 4), smem, stream>>>(
           dy.data_ptr<T>(), y.data_ptr<T>(), dx.data_ptr<T>(), rows, sq, sk, static_cast<float>(scale));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
