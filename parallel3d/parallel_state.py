@@ -233,10 +233,16 @@ def get_parallel_state() -> ParallelState:
 
 
 def destroy_model_parallel() -> None:
-    """Forget the default groups (the process groups themselves are freed with the world)."""
+    """Destroy the default groups and forget them.
+
+    Every rank destroys its groups in the order they were created. Tearing down an NCCL
+    communicator waits for its peers to tear it down too, so ranks that destroy two shared
+    groups in opposite orders wait on each other forever: a set of groups (ordered by object
+    id, which differs between processes) made every TP or PP job hang after its last step.
+    """
     global _STATE
     if _STATE is not None:
-        for group in set(_STATE.groups.values()):
+        for group in _STATE.groups.values():  # dict order = creation order, the same on every rank
             if group is not None and group != dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)
     _STATE = None
