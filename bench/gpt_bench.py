@@ -38,13 +38,13 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import pretrain_gpt  # noqa: E402
 
 from parallel3d import parallel_state  # noqa: E402
+from parallel3d.device import default_device  # noqa: E402
 from parallel3d.arguments import parse_args, validate_args  # noqa: E402
 from parallel3d.distributed import get_megatron_optimizer  # noqa: E402
 from parallel3d.pipeline import build_schedule, simulate  # noqa: E402
 from parallel3d.pipeline.forward_backward import default_schedule_name  # noqa: E402
 from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
 from parallel3d.training import (  # noqa: E402
-    device,
     get_model,
     get_optimizer_param_scheduler,
     initialize_distributed,
@@ -96,12 +96,12 @@ def bench_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
 
 def synthetic_iterator(args: argparse.Namespace):
     """Random tokens in the dataset's item format, generated on the device (no loader in the timing)."""
-    g = torch.Generator(device=device()).manual_seed(1234 + parallel_state.get_data_parallel_rank())
+    g = torch.Generator(device=default_device()).manual_seed(1234 + parallel_state.get_data_parallel_rank())
     b, s = args.micro_batch_size, args.seq_length
-    positions = torch.arange(s, device=device()).expand(b, s)
-    mask = torch.ones(b, s, device=device())
+    positions = torch.arange(s, device=default_device()).expand(b, s)
+    mask = torch.ones(b, s, device=default_device())
     while True:
-        t = torch.randint(0, args.vocab_size, (b, s + 1), device=device(), generator=g)
+        t = torch.randint(0, args.vocab_size, (b, s + 1), device=default_device(), generator=g)
         yield {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": mask, "position_ids": positions}
 
 

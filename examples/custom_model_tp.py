@@ -17,6 +17,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from parallel3d import parallel_state as ps  # noqa: E402
+from parallel3d.device import default_backend  # noqa: E402
 from parallel3d import tensor_parallel as tp  # noqa: E402
 
 HIDDEN, HEADS, FFN, SEQ, BATCH, STEPS = 64, 8, 256, 16, 4, 5
@@ -61,10 +62,10 @@ class DenseBlock(nn.Module):
 
 
 def main() -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    if backend == "nccl":
+    backend = default_backend()
+    if backend == "nccl":  # bind the rank to its GPU before NCCL creates a communicator
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
     world = dist.get_world_size()
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
     rank = ps.get_tensor_model_parallel_rank()

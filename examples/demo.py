@@ -50,7 +50,10 @@ def main() -> int:
     ensure_installed()
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from parallel3d.device import default_backend
+
+    # PARALLEL3D_DEVICE=cpu keeps the demo on CPU processes on a machine with GPUs (the test suite does)
+    gpus = torch.cuda.device_count() if default_backend() == "nccl" else 0
     nproc, parallel = layout(gpus)
     gpu_args = ["--bf16", "--micro-batch-size", "8", "--train-iters", "1000"] if gpus else []
     args = parallel + [

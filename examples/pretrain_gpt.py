@@ -37,7 +37,8 @@ from parallel3d.data import (  # noqa: E402
 from models.generation import generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
-from parallel3d.training import device, initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
+from parallel3d.device import default_device  # noqa: E402
+from parallel3d.training import initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
 
 
 def add_example_args(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +165,7 @@ def loss_func(loss_mask: torch.Tensor, per_token: bool, output_tensor: torch.Ten
 
 def forward_step(per_token: bool, data_iterator, model):
     """Megatron's contract: (output, loss_func). Middle stages read no data."""
-    dev = device()
+    dev = default_device()
     batch = next(data_iterator) if (model.pre_process or model.post_process) else None
     tokens = batch["tokens"].to(dev) if batch is not None and model.pre_process else None
     position_ids = batch["position_ids"].to(dev) if batch is not None else None

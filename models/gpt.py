@@ -55,7 +55,8 @@ from parallel3d.tensor_parallel import (
     scatter_to_sequence_parallel_region,
     vocab_parallel_cross_entropy,
 )
-from parallel3d.tensor_parallel.layers import InitMethod, _default_device
+from parallel3d.device import default_device
+from parallel3d.tensor_parallel.layers import InitMethod
 from parallel3d.tensor_parallel.utils import group_rank_and_size, resolve_tp_group
 
 from .config import TransformerConfig
@@ -177,7 +178,7 @@ class Norm(nn.Module):
         self.rms = config.normalization == "RMSNorm"
         self.eps = config.layernorm_epsilon
         self.fused = config.normalization_fusion
-        device, dtype = _default_device(), config.params_dtype
+        device, dtype = default_device(), config.params_dtype
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         if self.rms:
             self.register_parameter("bias", None)
@@ -219,7 +220,7 @@ class LanguageModelEmbedding(nn.Module):
                 init(master)
             self.position_embeddings = nn.utils.skip_init(
                 nn.Embedding, config.max_position_embeddings, config.hidden_size,
-                device=_default_device(), dtype=config.params_dtype,
+                device=default_device(), dtype=config.params_dtype,
             )
             with torch.no_grad():
                 self.position_embeddings.weight.copy_(master)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d import checkpointing, parallel_state
+from parallel3d.device import default_backend, default_device
 from parallel3d.data import build_pretraining_data_loader
 from parallel3d.distributed import (
     DistributedDataParallel,
@@ -55,16 +56,12 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
-def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 # --------------------------------------------------------------------------------------- setup
 
 
 def initialize_distributed(args: argparse.Namespace) -> None:
     """Process group (nccl with GPUs, gloo without), model-parallel groups, seeds."""
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = args.distributed_backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
@@ -73,8 +70,11 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size,
     )
-    # Megatron's seeds: one stream per pipeline stage, TP streams inside the tracker.
-    model_parallel_cuda_manual_seed(args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    # Megatron's _set_random_seed: one seed per pipeline stage for the CPU generator (weights are
+    # initialised there) and the device's, TP streams inside the tracker.
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
 
 
 def get_model(model_provider: Callable[..., torch.nn.Module], args: argparse.Namespace
@@ -96,7 +96,7 @@ def get_model(model_provider: Callable[..., torch.nn.Module], args: argparse.Nam
         use_distributed_optimizer=args.use_distributed_optimizer,
         **({"bucket_size": args.ddp_bucket_size} if args.ddp_bucket_size else {}),
     )
-    wrapped = [DistributedDataParallel(chunk.to(device()), ddp_config) for chunk in chunks]
+    wrapped = [DistributedDataParallel(chunk.to(default_device()), ddp_config) for chunk in chunks]
     for w in wrapped:
         w.broadcast_params()
     return wrapped
@@ -179,7 +179,7 @@ class LossAverager:
             if dist.is_initialized():
                 dist.broadcast_object_list(names, src=dist.get_world_size() - 1)
             self.keys = names[0] or []
-        dev = device()
+        dev = default_device()
         if losses:
             per_key = [torch.stack([_as_tensor(d[k], dev) for d in losses]).mean() for k in self.keys]
             vec = torch.stack(per_key + [torch.ones((), dtype=torch.float64, device=dev)])
@@ -369,7 +369,8 @@ def pretrain(
     model_config: Any = None,
     layer_numbers: Optional[Sequence[Sequence[int]]] = None,
 ) -> dict[str, Any]:
-    """Train for ``args.train_iters`` iterations; returns the model, optimizer and last losses.
+    """Train for ``args.train_iters`` iterations; returns the model, optimizer, and each iteration's
+    averaged losses and gradient norm.
 
     Expects ``initialize_distributed(args)`` and ``validate_args`` to have run.
     """
@@ -393,6 +394,7 @@ def pretrain(
     train_iter, valid_iter = build_data_iterators(datasets_provider, args, consumed_train, consumed_valid, len(model))
     logger = TrainingLogger(args)
     history: list[dict[str, float]] = []
+    grad_norms: list[Optional[float]] = []
 
     def save(it: int) -> None:
         checkpointing.save_checkpoint(
@@ -412,6 +414,7 @@ def pretrain(
         iteration += 1
         consumed_train += args.global_batch_size
         history.append(loss)
+        grad_norms.append(grad_norm)
         logger.record(loss, skipped)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             scale = optimizer.get_loss_scale() if args.fp16 else None
@@ -429,4 +432,4 @@ def pretrain(
         save(iteration)
     logger.close()
     return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iteration": iteration,
-            "losses": history}
+            "losses": history, "grad_norms": grad_norms}

@@ -33,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 
 from models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import parallel_state  # noqa: E402
+from parallel3d.device import default_backend, default_device  # noqa: E402
 from parallel3d.checkpointing import (  # noqa: E402
     CheckpointError,
     check_compatible,
@@ -146,7 +147,7 @@ def _prepare(args: argparse.Namespace, world_size: int) -> tuple[Any, list[int],
 
 def _initialize(config: TransformerConfig) -> torch.device:
     if not dist.is_initialized() and "RANK" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
@@ -154,9 +155,7 @@ def _initialize(config: TransformerConfig) -> torch.device:
         parallel_state.initialize_model_parallel(config.tensor_model_parallel_size,
                                                  config.pipeline_model_parallel_size,
                                                  config.virtual_pipeline_model_parallel_size)
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return default_device()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d import parallel_state
+from parallel3d.device import default_device
 from parallel3d.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 
@@ -39,7 +40,7 @@ def _device_of(grads: Sequence[torch.Tensor], device: Optional[torch.device]) ->
         return torch.device(device)
     if grads:
         return grads[0].device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return default_device()
 
 
 def get_grad_norm_fp32(

@@ -191,18 +191,7 @@ class ScheduleExecutor:
         with grad_ctx:
             output, loss_func = self.forward_step_func(self.data_iterators[chunk], model)
             if self._is_last(chunk):
-                result = loss_func(output)
-                if len(result) == 3:
-                    loss, num_tokens, reduced = result
-                    self.num_tokens += torch.as_tensor(num_tokens, device=self.device).to(torch.int64)
-                elif len(result) == 2:
-                    loss, reduced = result
-                    if not self.per_token:
-                        loss = loss / self.schedule.num_microbatches
-                else:
-                    raise ValueError("loss_func must return (loss, dict) or (loss, num_tokens, dict)")
-                self.losses.append(reduced)
-                output = loss
+                output = self._loss(loss_func(output))
         outputs = _as_tuple(output)
         if self.forward_only:
             self.inputs.pop(key, None)
@@ -211,6 +200,34 @@ class ScheduleExecutor:
             self.stats.peak_inflight = max(self.stats.peak_inflight, self.stats.inflight)
         self.outputs[key] = outputs
         self.output_specs[key] = TensorSpec.of(outputs)
+
+    def _loss(self, result: Sequence[Any]) -> Any:
+        """The loss to backpropagate, scaled as Megatron's forward_step scales it.
+
+        ``(loss, num_tokens, dict)``: the loss is a sum over ``num_tokens`` tokens; it is divided by
+        them and by the microbatch count, unless ``calculate_per_token_loss`` (then the gradients
+        are divided by the tokens of the whole step in finalize_model_grads).
+        ``(loss, dict)``: a mean over the microbatch; divided by the microbatch count.
+        """
+        M = self.schedule.num_microbatches
+        if len(result) == 3:
+            loss, num_tokens, reduced = result
+            num_tokens = torch.as_tensor(num_tokens, device=self.device)
+            self.num_tokens += num_tokens.detach().to(torch.int64)
+            if not self.per_token:
+                loss = loss / num_tokens.clamp(min=1) / M  # clamp: a microbatch without loss tokens adds 0, not NaN
+        elif len(result) == 2:
+            if self.per_token:
+                raise ValueError("calculate_per_token_loss needs loss_func to return (loss, num_tokens, dict): "
+                                 "the gradients are divided by the step's token count")
+            loss, reduced = result
+            loss = loss / M
+        else:
+            raise ValueError("loss_func must return (loss, dict) or (loss, num_tokens, dict)")
+        self.losses.append(reduced)
+        if not torch.is_tensor(loss):  # a plain number (forward-only evaluation), as Megatron accepts
+            loss = torch.as_tensor(loss, dtype=torch.float32, device=self.device)
+        return loss
 
     def _backward(self, mb: int, chunk: int) -> None:
         key = (mb, chunk)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..device import default_device
 from .mappings import (
     all_reduce,
     gather_along_first_dim,
@@ -47,10 +48,6 @@ def init_method_normal(sigma: float) -> InitMethod:
 def scaled_init_method_normal(sigma: float, num_layers: int) -> InitMethod:
     """N(0, sigma / sqrt(2 * num_layers)), for output projections (Megatron's)."""
     return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
@@ -121,8 +118,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_input = grad_output.matmul(weight)
 
         handle = None
-        if ctx.sequence_parallel:
-            _, size = group_rank_and_size(group)
+        _, size = group_rank_and_size(group)
+        if size == 1:
+            pass  # one TP rank: the input gradient is already complete
+        elif ctx.sequence_parallel:
             sub_grad_input = torch.empty(
                 (grad_input.size(0) // size,) + tuple(grad_input.shape[1:]), dtype=grad_input.dtype,
                 device=grad_input.device,
@@ -155,7 +154,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
         if handle is not None:
             handle.wait()
-        if ctx.sequence_parallel:
+        if ctx.sequence_parallel and size > 1:
             grad_input = sub_grad_input
         return grad_input, grad_weight, grad_bias, None, None, None, None
 
@@ -169,8 +168,10 @@ def linear_with_grad_accumulation_and_async_allreduce(
     sequence_parallel: bool = False,
     group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
+    """Megatron's linear with the TP communication of its backward; ``group=None`` = the default
+    TP group (a single process when none is initialised), as for every tensor-parallel function."""
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
-        x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group
+        x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, resolve_tp_group(group)
     )
 
 
@@ -212,7 +213,7 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and world > 1
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.allreduce_dgrad = world > 1 and not self.sequence_parallel
-        device = device or _default_device()
+        device = device or default_device()
         init_method = init_method or init_method_normal(0.02)
 
         if skip_weight_param_allocation:
@@ -295,7 +296,7 @@ class RowParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel and world > 1
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
-        device = device or _default_device()
+        device = device or default_device()
         init_method = init_method or init_method_normal(0.02)
 
         self.weight = nn.Parameter(
@@ -367,7 +368,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index, self.vocab_end_index = vocab_range(self.padded_num_embeddings, rank, world)
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and world > 1
-        device = device or _default_device()
+        device = device or default_device()
         init_method = init_method or init_method_normal(0.02)
 
         self.weight = nn.Parameter(

@@ -8,8 +8,9 @@ seeds the default generator identically on all TP ranks and adds a
 "model-parallel-rng" stream seeded per TP rank; ``with get_cuda_rng_tracker().fork():``
 runs a region on that stream.
 
-The tracker works on the accelerator's generator (CUDA when available, else the
-CPU's), so the same code and tests run on both.
+The tracker works on the generator of the device that parallel3d computes on
+(``parallel3d.device``: CUDA's on a GPU rank, the CPU's on a CPU rank), so the same
+code and tests run on both.
 
 ``checkpoint`` (activation recomputation) saves the default and tracked
 generator states before the forward and restores them for the recompute, so
@@ -22,11 +23,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..device import uses_cuda as _use_cuda
+
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
-
-
-def _use_cuda() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _get_rng_state() -> torch.Tensor:
@@ -53,9 +52,10 @@ class RNGStatesTracker:
     def __init__(self) -> None:
         self.states: dict[str, torch.Tensor] = {}
         self.seeds: set[int] = set()
+        self.active: set[str] = set()  # streams whose fork() is open: the generator holds their live state
 
     def reset(self) -> None:
-        self.states, self.seeds = {}, set()
+        self.states, self.seeds, self.active = {}, set(), set()
 
     def get_states(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.states.items()}
@@ -76,16 +76,26 @@ class RNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME):
-        """Run the region on stream ``name``; the default stream is left untouched."""
+        """Run the region on stream ``name``; the default stream is left untouched.
+
+        A nested fork of a stream that is already open continues it: its saved state is
+        stale until the outer fork exits, and starting from it would repeat the outer
+        region's random numbers (Megatron-LM fixed the same bug in January 2026).
+        """
         if name not in self.states:
             raise KeyError(
                 f"RNG state {name!r} is not in the tracker: call model_parallel_cuda_manual_seed(seed) first"
             )
+        if name in self.active:
+            yield
+            return
         saved = _get_rng_state()
         _set_rng_state(self.states[name])
+        self.active.add(name)
         try:
             yield
         finally:
+            self.active.discard(name)
             self.states[name] = _get_rng_state()
             _set_rng_state(saved)
 
@@ -99,17 +109,19 @@ def get_cuda_rng_tracker() -> RNGStatesTracker:
 
 
 def model_parallel_cuda_manual_seed(seed: int, tp_rank: int | None = None) -> None:
-    """Seed the default stream with ``seed`` (same on all TP ranks) and the TP stream per rank.
+    """Seed the device's default stream with ``seed`` (same on all TP ranks) and the TP stream per rank.
 
-    The model-parallel stream uses seed + 2718 + tp_rank, as in Megatron.
+    The model-parallel stream uses seed + 2718 + tp_rank, as in Megatron. On a GPU rank only
+    CUDA's generators are seeded, as in Megatron: the CPU generator (which initialises the
+    weights) belongs to the training script's seeding (``torch.manual_seed``), and reseeding it
+    here would change weights initialised afterwards. On a CPU rank the device generator is the
+    CPU's, so there it is seeded.
     """
     if tp_rank is None:
         from parallel3d import parallel_state
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed(seed)
+    _manual_seed(seed)
     _TRACKER.reset()
     _TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
 
