@@ -563,11 +563,11 @@ def test_generate_cli_errors(checkpoints, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_trained_checkpoint_exports_to_transformers_with_the_same_loss(family, tmp_path):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    training = importlib.import_module("test_gpt_training")
-    args = training._args(family, iters=2)
+    import gpt_harness as training
+
+    args = training.layout_args(family, iters=2)
     args.save = str(tmp_path / "ckpt")
-    result = training._train(args)
+    result = training.train(args)
     model = result["model"][0].module.eval()
     batch = [training.TokenDataset(8, seed=11)[i] for i in range(4)]
     tokens = torch.stack([b["tokens"] for b in batch])

@@ -6,35 +6,20 @@ gloo processes then trains the same model, seed and data under TP/SP/PP/VPP/DP
 mixes (both families, ZeRO-1 in some) and compares the per-iteration losses,
 the gradient norms and every weight after 3 Adam steps.
 """
-import importlib
 import io
 import os
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
-from functools import partial
+from contextlib import redirect_stderr
 
 import pytest
 import torch
 
+from gpt_harness import FAMILIES, ROOT, full_weights, layout_args, pretrain_gpt, shards_against, train
 from parallel3d import checkpointing
 from parallel3d import parallel_state as ps
-from parallel3d.arguments import parse_args, validate_args
-from parallel3d.tensor_parallel import split_tensor_for_rank, vocab_size_with_padding
 from parallel3d.testing import run_distributed
-from parallel3d.training import pretrain
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-pretrain_gpt = importlib.import_module("pretrain_gpt")
-
-VOCAB, SEQ, MBS, GBS, ITERS = 300, 16, 2, 16, 3
-FAMILIES = {
-    "gpt2": ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4"],
-    "llama": ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
-              "--num-query-groups", "2", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
-              "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights"],
-}
 # (family, TP, PP, V, SP, extra flags); world size 8, DP = 8 / (TP * PP)
 LAYOUTS = [
     ("gpt2", 2, 2, 2, False, []),
@@ -48,84 +33,29 @@ LAYOUTS = [
 ]
 
 
-class TokenDataset(torch.utils.data.Dataset):
-    """Deterministic random token sequences in GPTDataset's item format."""
-
-    def __init__(self, n: int, seed: int = 7):
-        g = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
-
-    def __len__(self):
-        return len(self.tokens)
-
-    def __getitem__(self, i):
-        t = self.tokens[i]
-        return {"tokens": t[:-1], "labels": t[1:], "loss_mask": torch.ones(SEQ),
-                "position_ids": torch.arange(SEQ)}
-
-
-def _args(family, tp=1, pp=1, vp=None, sp=False, extra=(), world=1, iters=ITERS, dropout=0.0):
-    argv = FAMILIES[family] + [
-        "--seq-length", str(SEQ), "--micro-batch-size", str(MBS), "--global-batch-size", str(GBS),
-        "--train-iters", str(iters), "--lr", "1e-2", "--lr-warmup-iters", "1", "--min-lr", "1e-3",
-        "--clip-grad", "0.5", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "16",
-        "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout), "--log-interval", "1000",
-        "--eval-interval", "1000", "--no-progress-bar", "--seed", "5",
-        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-    ] + (["--virtual-pipeline-model-parallel-size", str(vp)] if vp and vp > 1 else []) \
-      + (["--sequence-parallel"] if sp else []) + list(extra)
-    args = validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), world)
-    args.padded_vocab_size = vocab_size_with_padding(VOCAB, args.make_vocab_size_divisible_by, tp)
-    return args
-
-
-def _train(args, dataset_size=GBS * ITERS * 2):
-    config = pretrain_gpt.transformer_config_from_args(args)
-    args.ffn_hidden_size = config.ffn_hidden_size
-    partition = pretrain_gpt.layer_partition(args)
-    from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
-
-    model_parallel_cuda_manual_seed(args.seed + 100 * ps.get_pipeline_model_parallel_rank())
-    with redirect_stdout(io.StringIO()):
-        result = pretrain(args, partial(pretrain_gpt.model_provider, config, partition),
-                          partial(pretrain_gpt.forward_step, False),
-                          lambda n: (TokenDataset(dataset_size), None, None), model_config=config)
-    return result
-
-
 def _reference(family):
-    args = _args(family)
-    result = _train(args)
-    model = result["model"][0].module
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return result["losses"], weights
+    result = train(layout_args(family))
+    return result["losses"], result["grad_norms"], full_weights(result)
 
 
 def _sweep(rank, world_size, refs):
     done = []
     for family, tp, pp, vp, sp, extra in LAYOUTS:
-        args = _args(family, tp, pp, vp, sp, extra, world=world_size)
+        args = layout_args(family, tp, pp, vp, sp, extra, world=world_size)
         ps.initialize_model_parallel(tp, pp, args.virtual_pipeline_model_parallel_size)
         where = f"[{family} TP={tp} PP={pp} V={vp} SP={sp} {' '.join(extra)}]"
         try:
-            result = _train(args)
-            ref_losses, ref_weights = refs[family]
+            result = train(args)
+            ref_losses, ref_norms, ref_weights = refs[family]
             for it, (got, want) in enumerate(zip(result["losses"], ref_losses)):
                 for key in want:
                     err = abs(got[key] - want[key])
                     assert err <= 1e-5 * max(1.0, abs(want[key])), f"{where} iteration {it + 1} {key}: {got} vs {want}"
-            tp_rank = ps.get_tensor_model_parallel_rank()
-            for chunk in result["model"]:
-                module = chunk.module
-                for name, p in module.named_parameters():
-                    full = ref_weights[module.global_parameter_name(name)]
-                    if getattr(p, "tensor_model_parallel", False):
-                        want = split_tensor_for_rank(full, p.partition_dim, p.partition_stride, tp_rank, tp,
-                                                     padded_size=p.size(p.partition_dim) * tp)
-                    else:
-                        want = full
-                    err = (p.detach() - want).abs().max().item()
-                    assert err <= 2e-5, f"{where} weight {name} differs from the single process by {err:.3g}"
+            for it, (got, want) in enumerate(zip(result["grad_norms"], ref_norms)):
+                assert abs(got - want) <= 1e-5 * max(1.0, want), f"{where} iteration {it + 1} grad norm: {got} vs {want}"
+            for name, got, want in shards_against(result, ref_weights):
+                err = (got - want).abs().max().item()
+                assert err <= 2e-5, f"{where} weight {name} differs from the single process by {err:.3g}"
         finally:
             ps.destroy_model_parallel()
         done.append(where)
@@ -145,14 +75,14 @@ def _resume(rank, world_size, save_dir):
     extra = ["--use-distributed-optimizer"]
     out = {}
     for name, load in (("straight", None), ("first", None), ("resumed", save_dir)):
-        args = _args("gpt2", 1, 2, 2, False, extra, world=world_size, iters=6, dropout=0.1)
+        args = layout_args("gpt2", 1, 2, 2, False, extra, world=world_size, iters=6, dropout=0.1)
         if name == "first":  # a job of 6 iterations stopped after 3 (same LR schedule as the straight run)
             args.save, args.save_interval, args.exit_interval = save_dir, 3, 3
         if load:
             args.load = load
         ps.initialize_model_parallel(1, 2, 2)
         try:
-            result = _train(args)
+            result = train(args)
             out[name] = [d["lm loss"] for d in result["losses"]]
         finally:
             ps.destroy_model_parallel()
@@ -169,8 +99,8 @@ def test_resume_is_exact(tmp_path):
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    args = _args("gpt2", iters=2)
-    result = _train(args)
+    args = layout_args("gpt2", iters=2)
+    result = train(args)
     model, opt, sched = result["model"], result["optimizer"], result["scheduler"]
     save_dir = str(tmp_path)
     checkpointing.save_checkpoint(save_dir, 2, model, opt, sched, extra={"consumed_train_samples": 32})
@@ -201,12 +131,12 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_checkpoint_errors_name_the_problem(tmp_path):
-    args = _args("gpt2", iters=2)
-    result = _train(args)
+    args = layout_args("gpt2", iters=2)
+    result = train(args)
     model = result["model"]
     save_dir = str(tmp_path)
     checkpointing.save_checkpoint(save_dir, 1, model, model_config=pretrain_gpt.transformer_config_from_args(args))
-    other = pretrain_gpt.transformer_config_from_args(_args("llama"))
+    other = pretrain_gpt.transformer_config_from_args(layout_args("llama"))
     with pytest.raises(checkpointing.CheckpointError, match="holds another model: num_layers|holds another model"):
         checkpointing.load_checkpoint(save_dir, model, model_config=other)
     os.remove(os.path.join(save_dir, "iter_0000001", "mp_rank_00_000", "model.safetensors"))

@@ -1,0 +1,101 @@
+"""One launch of the parity suite: train each case for a few steps and record what tests/gpu compares.
+
+    torchrun --nproc-per-node N tests/gpu/parity_worker.py CASES.json OUT_DIR
+
+Started by tests/gpu/test_nccl_parity.py (one process per GPU, NCCL) and, to prove the same driver on
+CPU ranks, with PARALLEL3D_DEVICE=cpu (gloo). CASES.json is a list of cases
+``{"name", "kind", "family", "dtype", "tp", "pp", "vp", "sp", "extra"}``:
+- ``reference`` (one process): save the weights, losses and gradient norms as OUT_DIR/ref_<family>_<dtype>.*;
+- ``layout``: train in the case's layout and write, per rank, each iteration's losses and gradient norm and
+  how far every weight shard is from the reference of the same family and precision;
+- ``resume``: 6 iterations straight, then 3 + save + load + 3 in the same layout (dropout on).
+Each rank writes OUT_DIR/<name>.rank<r>.json. The last line printed is "parity: done", so the test can
+time how long the job takes to exit after its work.
+"""
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gpt_harness import full_weights, layout_args, shards_against, train  # noqa: E402
+from parallel3d import parallel_state as ps  # noqa: E402
+from parallel3d.device import default_backend  # noqa: E402
+
+
+def _args(case, world, **kw):
+    dtype = {"bf16": ["--bf16"], "fp32": []}[case["dtype"]]
+    return layout_args(case["family"], case["tp"], case["pp"], case["vp"], case["sp"], dtype + case["extra"],
+                       world=world, **kw)
+
+
+def _losses(result):
+    return [d["lm loss"] for d in result["losses"]]
+
+
+def reference(case, out):
+    result = train(_args(case, 1))
+    stem = os.path.join(out, f"ref_{case['family']}_{case['dtype']}")
+    save_file({n: t.float().cpu().contiguous() for n, t in full_weights(result).items()}, stem + ".safetensors")
+    return {"losses": _losses(result), "grad_norms": result["grad_norms"]}
+
+
+def layout(case, out):
+    ref = load_file(os.path.join(out, f"ref_{case['family']}_{case['dtype']}.safetensors"))
+    result = train(_args(case, dist.get_world_size()))
+    weights = {}
+    for name, got, want in shards_against(result, ref):
+        diff = got.float() - want
+        weights[name] = {"max_abs": diff.abs().max().item(), "diff_sq": diff.square().sum().item(),
+                         "ref_sq": want.float().square().sum().item()}
+    return {"losses": _losses(result), "grad_norms": result["grad_norms"], "weights": weights}
+
+
+def resume(case, out):
+    save_dir = os.path.join(out, f"{case['name']}_ckpt")
+    runs = {}
+    for name in ("straight", "first", "resumed"):
+        args = _args(case, dist.get_world_size(), iters=6, dropout=0.1)
+        if name == "first":  # a job of 6 iterations stopped after 3 (the LR schedule of the straight run)
+            args.save, args.save_interval, args.exit_interval = save_dir, 3, 3
+        if name == "resumed":
+            args.load = save_dir
+        ps.initialize_model_parallel(case["tp"], case["pp"], args.virtual_pipeline_model_parallel_size)
+        try:
+            runs[name] = _losses(train(args))
+        finally:
+            ps.destroy_model_parallel()
+    return runs
+
+
+def main() -> None:
+    cases_file, out = sys.argv[1], sys.argv[2]
+    with open(cases_file) as f:
+        cases = json.load(f)
+    if default_backend() == "nccl":  # bind the rank to its GPU before NCCL creates a communicator
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(default_backend(), timeout=datetime.timedelta(minutes=5))
+    rank = dist.get_rank()
+    for case in cases:
+        if case["kind"] == "resume":
+            record = resume(case, out)
+        else:
+            ps.initialize_model_parallel(case["tp"], case["pp"],
+                                         case["vp"] if case["vp"] and case["vp"] > 1 else None)
+            try:
+                record = (reference if case["kind"] == "reference" else layout)(case, out)
+            finally:
+                ps.destroy_model_parallel()
+        with open(os.path.join(out, f"{case['name']}.rank{rank}.json"), "w") as f:
+            json.dump(record, f)
+    dist.destroy_process_group()
+    print("parity: done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""One-GPU behaviours the NCCL suite does not reach: seeding, the device rule, the model on CUDA."""
+import math
+
+import pytest
+import torch
+
+from parallel3d import tensor_parallel as tp
+from parallel3d.device import default_backend, default_device
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    monkeypatch.setenv("PARALLEL3D_DEVICE", "cuda")  # the suite's conftest keeps the CPU tests on the CPU
+
+
+def test_device_rule_picks_the_gpu(on_cuda):
+    assert default_device() == torch.device("cuda", torch.cuda.current_device())
+    assert default_backend() == "nccl"
+
+
+def test_model_parallel_seed_leaves_the_cpu_generator_alone(on_cuda):
+    """Megatron seeds only CUDA there: weights initialised on the CPU afterwards stay the script's."""
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    tp.model_parallel_cuda_manual_seed(7)
+    assert torch.equal(torch.rand(4), want)
+    cuda_a = torch.rand(4, device="cuda")
+    tp.model_parallel_cuda_manual_seed(7)
+    assert torch.equal(torch.rand(4, device="cuda"), cuda_a), "the CUDA generator is seeded"
+
+
+def test_tracker_forks_the_cuda_generator(on_cuda):
+    tp.model_parallel_cuda_manual_seed(7, tp_rank=0)
+    default = torch.cuda.get_rng_state()
+    with tp.get_cuda_rng_tracker().fork():
+        a = torch.rand(4, device="cuda")
+    assert torch.equal(torch.cuda.get_rng_state(), default), "the default CUDA stream is left as it was"
+    tp.model_parallel_cuda_manual_seed(7, tp_rank=1)
+    with tp.get_cuda_rng_tracker().fork():
+        assert not torch.equal(torch.rand(4, device="cuda"), a), "TP ranks draw different streams"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_gpt_on_the_gpu_equals_the_cpu(on_cuda, family):
+    """The same model and tokens, fp32: the GPU's loss and gradients equal the CPU's within 1e-5."""
+    from models import GPTModel, gpt2_config, llama_config
+
+    cfg = (gpt2_config if family == "gpt2" else llama_config)("tiny", hidden_dropout=0.0, attention_dropout=0.0,
+                                                              seq_length=32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (2, 32), generator=g)
+    results = {}
+    for device in ("cpu", "cuda"):
+        model = GPTModel(cfg).to(device)
+        assert all(p.device.type == "cuda" for p in GPTModel(cfg).parameters()), "built on the default device"
+        loss = model(ids.to(device), None, labels=labels.to(device)).mean()
+        loss.backward()
+        results[device] = (loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters()})
+    assert abs(results["cuda"][0] - results["cpu"][0]) <= 1e-5 * max(1.0, results["cpu"][0])
+    assert abs(results["cpu"][0] - math.log(cfg.vocab_size)) < 0.5
+    for name, g_cpu in results["cpu"][1].items():
+        err = (results["cuda"][1][name] - g_cpu).abs().max().item()
+        assert err <= 1e-5, f"{family} {name}: GPU gradient differs from the CPU's by {err:.3g}"
