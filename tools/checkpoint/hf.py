@@ -27,8 +27,8 @@ import torch
 from safetensors import safe_open
 
 from models.config import TransformerConfig
+from parallel3d.safetensors_stream import StreamingSafetensorsWriter
 
-from .safetensors_stream import StreamingSafetensorsWriter
 from .schema import ConversionError
 
 CONFIG_FILE = "config.json"

@@ -41,8 +41,8 @@ from parallel3d.checkpointing import (
     read_metadata,
 )
 from parallel3d.pipeline.partition import partition_layers
+from parallel3d.safetensors_stream import StreamingSafetensorsWriter
 
-from .safetensors_stream import StreamingSafetensorsWriter
 from .schema import ConversionError, ParamSpec, embedding_specs, head_specs, layer_specs, merge, shard
 
 MODEL_FILE = "model.safetensors"
