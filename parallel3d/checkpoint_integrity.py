@@ -132,9 +132,17 @@ def check_save_dir_writable(save_dir: str) -> None:
                               "this user can create and write, or fix its permissions or mount") from None
 
 
-def load_torch_file(path: str) -> Any:
-    """``torch.load(weights_only=True)``: a file holding anything but tensors and plain data is refused, not run."""
+def load_torch_file(path: str, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)``: a file holding anything but tensors and plain data is refused, not run.
+
+    ``mmap``: map the file (tensors are read when used); a pre-zipfile torch.save is read whole instead.
+    """
     try:
+        if mmap:
+            try:
+                return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            except RuntimeError:
+                pass
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"(Unsupported global|unsupported GLOBAL)[^\n]*", str(e))

@@ -15,6 +15,8 @@ from typing import Any, Optional
 import torch
 from safetensors import safe_open
 
+from parallel3d.checkpoint_integrity import CheckpointError, load_torch_file
+
 from .schema import ConversionError
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -101,10 +103,12 @@ class TensorFiles:
                 sl = f.get_slice(k)
                 self._add(k, tuple(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype()), f.get_tensor, path)
             return
-        try:  # memory-mapped: pages are read when a tensor is used
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except RuntimeError:  # a pre-zipfile torch.save cannot be mapped
-            state = torch.load(path, map_location="cpu", weights_only=True)
+        try:  # weights_only: a .bin is a pickle, and a pickle from elsewhere must not run code
+            state = load_torch_file(path, mmap=True)  # memory-mapped: pages are read when a tensor is used
+        except CheckpointError as e:
+            raise ConversionError(str(e)) from e
+        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            raise ConversionError(f"{path} is not a state dict of tensors")
         for k, t in state.items():
             self._add(k, tuple(t.shape), t.dtype, state.__getitem__, path)
 
