@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import pickle
 import re
@@ -76,6 +77,14 @@ def torch_save_hashed(obj: Any, path: str) -> dict[str, Any]:
         f.flush()
         os.fsync(f.fileno())
     return {"sha256": out.hexdigest(), "bytes": out.bytes}
+
+
+def write_json(path: str, obj: Any) -> None:
+    """metadata.json and the per-rank file records: written and fsynced (a rename of their directory follows)."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def safetensors_save_hashed(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
@@ -154,9 +163,15 @@ def load_torch_file(path: str, mmap: bool = False) -> Any:
         raise CheckpointError(f"cannot read {path}: {first} (truncated or corrupt file)") from e
 
 
+_WARNED_UNVERIFIED: set[str] = set()
+
+
 def warn_unverified(ckpt_dir: str) -> None:
-    warnings.warn(f"{ckpt_dir} records no checksums (saved before they were kept): its files load unverified",
-                  CheckpointWarning, stacklevel=3)
+    """One line per checkpoint and process, however many of its files are read."""
+    if ckpt_dir not in _WARNED_UNVERIFIED:
+        _WARNED_UNVERIFIED.add(ckpt_dir)
+        warnings.warn(f"{ckpt_dir} records no checksums (saved before they were kept): its files load unverified",
+                      CheckpointWarning, stacklevel=3)
 
 
 def check_file(ckpt_dir: str, meta: dict[str, Any], relpath: str, **ranks: int) -> str:

@@ -50,6 +50,7 @@ from parallel3d.checkpoint_integrity import (
     torch_save_hashed,
     verify_files,
     write_error,
+    write_json,
 )
 from parallel3d.tensor_parallel import get_cuda_rng_tracker
 
@@ -208,41 +209,42 @@ def _write_rank_files(tmp: str, model: Sequence[torch.nn.Module], opt_state: Any
         for record in records.values():
             record.update(ranks)
         path = os.path.join(tmp, "checksums", f"rank_{ranks['rank']:05d}.json")
-        _write_json(path, records)
+        write_json(path, records)
     except (OSError, RuntimeError, ValueError) as e:
         raise write_error(path, e) from e
 
 
-def _write_json(path: str, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _commit(save_dir: str, tmp: str, final: str, iteration: int, meta: dict[str, Any]) -> None:
-    """Rank 0: gather the file records into the metadata, then move the directory and the tracker into place."""
+    """Rank 0: gather the file records into the metadata, then move the directory and the tracker into place.
+
+    An OSError raises a CheckpointError naming the step's file; the caller removes what is left of ``tmp``."""
     checksums = os.path.join(tmp, "checksums")
-    files: dict[str, Any] = {}
-    for name in sorted(os.listdir(checksums)):
-        with open(os.path.join(checksums, name)) as f:
-            files.update(json.load(f))
-    meta[FILES_KEY] = files
-    _write_json(os.path.join(tmp, METADATA_FILE), meta)
-    shutil.rmtree(checksums)
-    for sub in os.listdir(tmp):
-        if os.path.isdir(os.path.join(tmp, sub)):
-            _fsync_dir(os.path.join(tmp, sub))
-    _fsync_dir(tmp)
-    old = None
-    if os.path.exists(final):  # saving the same iteration again: a load finds iter_N or, between these, iter_N.old
-        old = final + ".old"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(save_dir)
-    _atomic_write_text(os.path.join(save_dir, LATEST_FILE), str(iteration))
-    if old is not None:
-        shutil.rmtree(old)
+    path = os.path.join(tmp, METADATA_FILE)
+    try:
+        files: dict[str, Any] = {}
+        for name in sorted(os.listdir(checksums)):
+            with open(os.path.join(checksums, name)) as f:
+                files.update(json.load(f))
+        meta[FILES_KEY] = files
+        write_json(path, meta)
+        shutil.rmtree(checksums)
+        for sub in os.listdir(tmp):
+            if os.path.isdir(os.path.join(tmp, sub)):
+                _fsync_dir(os.path.join(tmp, sub))
+        _fsync_dir(tmp)
+        old = None
+        path = final
+        if os.path.exists(final):  # a re-save: a load finds iter_N or, between these renames, iter_N.old
+            old = final + ".old"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(save_dir)
+        path = os.path.join(save_dir, LATEST_FILE)
+        _atomic_write_text(path, str(iteration))
+        if old is not None:
+            shutil.rmtree(old)
+    except OSError as e:
+        raise write_error(path, e) from e
 
 
 def save_checkpoint(
@@ -308,10 +310,9 @@ def save_checkpoint(
         }
         try:
             _commit(save_dir, tmp, final, iteration, meta)
-        except OSError as e:
-            error = write_error(getattr(e, "filename", None) or os.path.join(tmp, METADATA_FILE), e)
-            if os.path.isdir(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
+        except CheckpointError as e:
+            error = e
+            shutil.rmtree(tmp, ignore_errors=True)
     if not _all_ranks_ok(error is None):
         raise error or CheckpointError(f"rank 0 could not complete {final} (see its error)")
     return final
