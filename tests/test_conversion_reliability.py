@@ -46,7 +46,7 @@ def _index(model, target):
     ("sub/../../outside/model.safetensors", r"a path leaving .*\('\.\.'\)"),
     ("ABSOLUTE", r"lists weight file '/.*outside/model.safetensors': an absolute path"),
     ("~/model.safetensors", r"an absolute path"),
-])
+], ids=['dotdot', 'nested_dotdot', 'absolute', 'home'])
 def test_index_paths_leaving_the_load_dir_are_refused(dirs, target, message):
     model, outside = dirs
     _index(model, str(outside / "model.safetensors") if target == "ABSOLUTE" else target)
