@@ -163,7 +163,7 @@ def test_planted_pickle_payload_is_refused_not_run(saved, tmp_path, rel, metadat
     (f"{RANK}/model.safetensors", 12),     # the safetensors header
     (f"{RANK}/optimizer.pt", -200),
     ("rng/rank_00000.pt", -200),
-], ids=['model_data', 'model_header', 'optimizer', 'rng'])
+], ids=["model_data", "model_header", "optimizer", "rng"])
 def test_flipped_bytes_are_refused_naming_the_file(saved, rel, offset):
     save_dir = saved[0]
     _flip_byte(_file(save_dir, rel), offset)
@@ -226,7 +226,7 @@ def test_old_checkpoint_without_checksums_loads_with_one_warning(saved):
     (b"-3", r"latest_checkpointed_iteration.txt is corrupt"),
     (b"\xd9\xa3", r"latest_checkpointed_iteration.txt is corrupt"),  # not ASCII (a digit in another script)
     (b"7", r"iter_0000007 is missing although .*latest_checkpointed_iteration.txt names iteration 7"),
-], ids=['binary_garbage', 'empty', 'negative', 'non_ascii', 'missing_iteration'])
+], ids=["binary_garbage", "empty", "negative", "non_ascii", "missing_iteration"])
 def test_a_bad_tracker_file_is_named(saved, content, message):
     save_dir = saved[0]
     with open(os.path.join(save_dir, checkpointing.LATEST_FILE), "wb") as f:
@@ -240,7 +240,7 @@ def test_a_bad_tracker_file_is_named(saved, content, message):
     (b'{"format_version": 1, "layout"', r"metadata.json is corrupt"),
     (b"[1, 2]", r"metadata.json: format version None is not 1"),
     (b'{"format_version": 1, "layout": 3}', r"metadata.json is corrupt: its layout or file list"),
-], ids=['binary_garbage', 'truncated', 'not_an_object', 'layout_not_an_object'])
+], ids=["binary_garbage", "truncated", "not_an_object", "layout_not_an_object"])
 def test_a_bad_metadata_file_is_named(saved, content, message):
     save_dir = saved[0]
     with open(_file(save_dir, checkpointing.METADATA_FILE), "wb") as f:

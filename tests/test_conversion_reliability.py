@@ -42,11 +42,12 @@ def _index(model, target):
 
 
 @pytest.mark.parametrize("target,message", [
-    ("../outside/model.safetensors", r"lists weight file '\.\./outside/model.safetensors': a path leaving .* \('\.\.'\)"),
+    ("../outside/model.safetensors",
+     r"lists weight file '\.\./outside/model.safetensors': a path leaving .* \('\.\.'\)"),
     ("sub/../../outside/model.safetensors", r"a path leaving .*\('\.\.'\)"),
     ("ABSOLUTE", r"lists weight file '/.*outside/model.safetensors': an absolute path"),
     ("~/model.safetensors", r"an absolute path"),
-], ids=['dotdot', 'nested_dotdot', 'absolute', 'home'])
+], ids=["dotdot", "nested_dotdot", "absolute", "home"])
 def test_index_paths_leaving_the_load_dir_are_refused(dirs, target, message):
     model, outside = dirs
     _index(model, str(outside / "model.safetensors") if target == "ABSOLUTE" else target)

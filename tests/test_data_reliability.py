@@ -54,7 +54,8 @@ def test_the_intact_pair_opens(prefix):
     ("lengths", 60, 0, r"sequence 61 starts at byte \d+ but sequence 60 ends at byte \d+"),  # a gap
     ("documents", 120, 3, r"document index 120 is 3, below the previous 119: document indices must not decrease"),
     ("documents", 299, 10**9, r"document index 300 is 300, below the previous 1000000000"),
-], ids=['length_50000_at_100', 'pointer_1e12_at_200', 'negative_length', 'negative_pointer', 'first_pointer_not_0', 'overlap', 'gap', 'decreasing_document_index', 'document_index_out_of_range'])
+], ids=["length_50000_at_100", "pointer_1e12_at_200", "negative_length", "negative_pointer", "first_pointer_not_0",
+        "overlap", "gap", "decreasing_document_index", "document_index_out_of_range"])
 def test_a_corrupt_index_entry_is_refused_at_open(prefix, field, index, value, message):
     _poke(prefix, field, index, value)
     with pytest.raises(ValueError, match=message) as info:
