@@ -13,34 +13,51 @@ Layout (Megatron's directory names, so its tools find their way around):
           optimizer.pt                        optimizer + LR scheduler + grad scaler state
         rng/rank_{global:05d}.pt              RNG states of every rank
 
-Atomicity: every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0
-writes the metadata, fsyncs, renames the directory into place, and only then
+Atomicity: every rank writes into ``iter_XXXXXXX.tmp``; once every rank reports success
+rank 0 writes the metadata, fsyncs, renames the directory into place, and only then
 rewrites ``latest_checkpointed_iteration.txt`` (through a temporary file and a
-rename). A save killed at any point leaves the previous checkpoint loadable.
+rename). A save killed at any point leaves a loadable checkpoint: a re-save of an existing
+iteration swaps the old copy to ``iter_XXXXXXX.old`` first, which a load uses (with a warning)
+if killed between the two renames; the next save clears such debris. A save that cannot
+write (ENOSPC, ...) removes its partial directory and raises CheckpointError on every rank.
+
+Integrity (``checkpoint_integrity``): metadata.json records each file's SHA-256, size and
+writer's (TP, PP, DP) rank; loads verify them and read ``.pt`` files with weights_only=True.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import warnings
 from dataclasses import asdict, is_dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from parallel3d import parallel_state
+from parallel3d.checkpoint_integrity import (
+    FILES_KEY,
+    CheckpointError,
+    CheckpointWarning,
+    check_file,
+    check_save_dir_writable,  # noqa: F401 - part of this module's API (pretrain calls it)
+    load_torch_file,
+    safetensors_save_hashed,
+    torch_save_hashed,
+    verify_files,
+    write_error,
+    write_json,
+)
 from parallel3d.tensor_parallel import get_cuda_rng_tracker
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
 FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    pass
+_DEBRIS = re.compile(r"^iter_\d+\.(tmp|old)$")
 
 
 def iteration_dir(save_dir: str, iteration: int) -> str:
@@ -53,11 +70,6 @@ def rank_dir_name(tp_rank: int, pp_rank: int) -> str:
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return getattr(chunk, "module", chunk)
-
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: str) -> None:
@@ -144,6 +156,97 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _all_ranks_ok(ok: bool) -> bool:
+    """Whether every rank reports ok: a sync point that, unlike a barrier, lets all ranks learn of one's failure."""
+    if not dist.is_initialized():
+        return ok
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _clean_debris(save_dir: str) -> None:
+    """Remove what killed saves left: ``iter_*.tmp`` and the tracker's temporary; a stranded ``iter_N.old`` (a
+    re-save killed between its two renames) goes back to ``iter_N`` if that is missing, else is removed."""
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        if name == LATEST_FILE + ".tmp":
+            os.remove(path)
+        elif _DEBRIS.match(name) and (name.endswith(".tmp") or os.path.exists(path[:-len(".old")])):
+            shutil.rmtree(path)
+        elif _DEBRIS.match(name):
+            os.replace(path, path[:-len(".old")])
+    _fsync_dir(save_dir)
+
+
+def _write_rank_files(tmp: str, model: Sequence[torch.nn.Module], opt_state: Any, opt_param_scheduler: Any,
+                      ranks: dict[str, int]) -> None:
+    """This rank's files, then their records (checksum, size, ranks) in ``checksums/rank_XXXXX.json``.
+
+    A file that cannot be written (ENOSPC, EIO, EACCES; torch.save's "iostream error") raises a
+    CheckpointError naming it."""
+    records: dict[str, dict[str, Any]] = {}
+    path = tmp
+    try:
+        if ranks["dp_rank"] == 0:
+            rdir = rank_dir_name(ranks["tp_rank"], ranks["pp_rank"])
+            os.makedirs(os.path.join(tmp, rdir), exist_ok=True)
+            tensors, splits = model_state_for_save(model)
+            rel = f"{rdir}/model.safetensors"
+            path = os.path.join(tmp, rel)
+            records[rel] = safetensors_save_hashed(path, tensors, {
+                "tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION)})
+            del tensors
+            state = {"optimizer": opt_state,
+                     "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None}
+            rel = f"{rdir}/optimizer.pt"
+            path = os.path.join(tmp, rel)
+            records[rel] = torch_save_hashed(state, path)
+        rel = f"rng/rank_{ranks['rank']:05d}.pt"
+        path = os.path.join(tmp, rel)
+        records[rel] = torch_save_hashed(get_rng_state(), path)
+        for record in records.values():
+            record.update(ranks)
+        path = os.path.join(tmp, "checksums", f"rank_{ranks['rank']:05d}.json")
+        write_json(path, records)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise write_error(path, e) from e
+
+
+def _commit(save_dir: str, tmp: str, final: str, iteration: int, meta: dict[str, Any]) -> None:
+    """Rank 0: gather the file records into the metadata, then move the directory and the tracker into place.
+
+    An OSError raises a CheckpointError naming the step's file; the caller removes what is left of ``tmp``."""
+    checksums = os.path.join(tmp, "checksums")
+    path = os.path.join(tmp, METADATA_FILE)
+    try:
+        files: dict[str, Any] = {}
+        for name in sorted(os.listdir(checksums)):
+            with open(os.path.join(checksums, name)) as f:
+                files.update(json.load(f))
+        meta[FILES_KEY] = files
+        write_json(path, meta)
+        shutil.rmtree(checksums)
+        for sub in os.listdir(tmp):
+            if os.path.isdir(os.path.join(tmp, sub)):
+                _fsync_dir(os.path.join(tmp, sub))
+        _fsync_dir(tmp)
+        old = None
+        path = final
+        if os.path.exists(final):  # a re-save: a load finds iter_N or, between these renames, iter_N.old
+            old = final + ".old"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(save_dir)
+        path = os.path.join(save_dir, LATEST_FILE)
+        _atomic_write_text(path, str(iteration))
+        if old is not None:
+            shutil.rmtree(old)
+    except OSError as e:
+        raise write_error(path, e) from e
+
+
 def save_checkpoint(
     save_dir: str,
     iteration: int,
@@ -161,39 +264,38 @@ def save_checkpoint(
     Collective over all ranks. ``extra`` (e.g. consumed samples) goes into the
     metadata. ``layer_numbers[pp_rank][chunk]`` = the global layer indices of every model chunk
     (rank 0 writes the metadata, so pass the whole table; tools check it against the shard files).
+    A file that cannot be written raises CheckpointError on every rank and leaves no partial directory.
     """
     rank = _global_rank()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    dp_rank = parallel_state.get_data_parallel_rank()
+    ranks = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+             "dp_rank": parallel_state.get_data_parallel_rank(), "rank": rank}
     final = iteration_dir(save_dir, iteration)
     tmp = final + ".tmp"
+    error: Optional[CheckpointError] = None
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)  # debris of an earlier interrupted save of this iteration
-        os.makedirs(os.path.join(tmp, "rng"))
-    _barrier()
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            _clean_debris(save_dir)
+            os.makedirs(os.path.join(tmp, "rng"))
+            os.makedirs(os.path.join(tmp, "checksums"))
+        except OSError as e:
+            error = write_error(tmp, e)
+    if not _all_ranks_ok(error is None):
+        raise error or CheckpointError(f"cannot save {final}: rank 0 could not create {tmp} (see its error)")
 
     # Optimizer state may need every DP rank (ZeRO-1 gathers its shards): call it everywhere.
     opt_state = optimizer.state_dict() if optimizer is not None else None
-    if dp_rank == 0:
-        rdir = os.path.join(tmp, rank_dir_name(tp_rank, pp_rank))
-        os.makedirs(rdir, exist_ok=True)
-        tensors, splits = model_state_for_save(model)
-        path = os.path.join(rdir, "model.safetensors")
-        save_file(tensors, path, metadata={"tensor_parallel_splits": json.dumps(splits),
-                                           "format_version": str(FORMAT_VERSION)})
-        _fsync_file(path)
-        state = {"optimizer": opt_state,
-                 "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None}
-        path = os.path.join(rdir, "optimizer.pt")
-        torch.save(state, path)
-        _fsync_file(path)
-    path = os.path.join(tmp, "rng", f"rank_{rank:05d}.pt")
-    torch.save(get_rng_state(), path)
-    _fsync_file(path)
-    _barrier()
+    try:
+        _write_rank_files(tmp, model, opt_state, opt_param_scheduler, ranks)
+    except CheckpointError as e:
+        error = e
+    if not _all_ranks_ok(error is None):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()  # nobody returns before the partial directory is gone
+        raise error or CheckpointError(f"saving {final} failed on another rank (see its error); "
+                                       f"the partial {tmp} was removed")
 
     if rank == 0:
         meta = {
@@ -206,27 +308,13 @@ def save_checkpoint(
             "args": _to_jsonable(vars(args) if hasattr(args, "__dict__") else args),
             "extra": _to_jsonable(extra or {}),
         }
-        meta_path = os.path.join(tmp, METADATA_FILE)
-        with open(meta_path, "w") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        for sub in os.listdir(tmp):
-            if os.path.isdir(os.path.join(tmp, sub)):
-                _fsync_dir(os.path.join(tmp, sub))
-        _fsync_dir(tmp)
-        old = None
-        if os.path.exists(final):  # saving the same iteration again: swap, never a moment without it
-            old = final + ".old"
-            if os.path.exists(old):
-                shutil.rmtree(old)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(save_dir)
-        _atomic_write_text(os.path.join(save_dir, LATEST_FILE), str(iteration))
-        if old is not None:
-            shutil.rmtree(old)
-    _barrier()
+        try:
+            _commit(save_dir, tmp, final, iteration, meta)
+        except CheckpointError as e:
+            error = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not _all_ranks_ok(error is None):
+        raise error or CheckpointError(f"rank 0 could not complete {final} (see its error)")
     return final
 
 
@@ -237,10 +325,30 @@ def read_latest_iteration(load_dir: str) -> Optional[int]:
         raise CheckpointError(f"--load directory {load_dir!r} does not exist")
     if not os.path.exists(path):
         return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path} is corrupt: expected an iteration number, found {text[:40]!r}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(64)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text.isdigit() or not text.isascii():
+        raise CheckpointError(f"{path} is corrupt: expected an iteration number, found {raw[:40]!r}")
     return int(text)
+
+
+def find_checkpoint_dir(load_dir: str, iteration: int) -> str:
+    """``iter_N`` of ``load_dir``; or ``iter_N.old``, with a warning, where a re-save of N was killed between
+    swapping the old copy out and the new one in."""
+    ckpt_dir = iteration_dir(load_dir, iteration)
+    old = ckpt_dir + ".old"
+    if not os.path.isdir(ckpt_dir) and os.path.isfile(os.path.join(old, METADATA_FILE)):
+        warnings.warn(f"{ckpt_dir} is missing (a re-save was interrupted): loading its previous copy {old}",
+                      CheckpointWarning, stacklevel=2)
+        return old
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir} is missing although {os.path.join(load_dir, LATEST_FILE)} names "
+                              f"iteration {iteration}")
+    return ckpt_dir
 
 
 def read_metadata(ckpt_dir: str) -> dict[str, Any]:
@@ -248,12 +356,15 @@ def read_metadata(ckpt_dir: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise CheckpointError(f"{ckpt_dir} is not a complete checkpoint: {METADATA_FILE} is missing")
     try:
-        with open(path) as f:
-            meta = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is corrupt: {e}") from e
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {meta.get('format_version')} is not {FORMAT_VERSION}")
+        with open(path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is corrupt: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{path}: format version {version} is not {FORMAT_VERSION}")
+    if not isinstance(meta.get("layout"), dict) or not isinstance(meta.get(FILES_KEY, {}), dict):
+        raise CheckpointError(f"{path} is corrupt: its layout or file list is not a JSON object")
     return meta
 
 
@@ -279,10 +390,14 @@ def check_compatible(meta: dict[str, Any], model_config: Any, ckpt_dir: str) -> 
         raise CheckpointError(f"{ckpt_dir} holds another model: " + "; ".join(diffs))
 
 
-def load_model_shards(ckpt_dir: str, tp_rank: int, pp_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    path = os.path.join(ckpt_dir, rank_dir_name(tp_rank, pp_rank), "model.safetensors")
+def load_model_shards(ckpt_dir: str, tp_rank: int, pp_rank: int,
+                      meta: Optional[dict[str, Any]] = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """This (TP, PP) rank's tensors and their TP splits, after checking the file's checksum and ranks."""
+    rel = f"{rank_dir_name(tp_rank, pp_rank)}/model.safetensors"
+    path = os.path.join(ckpt_dir, rel)
     if not os.path.exists(path):
         raise CheckpointError(f"missing shard {path} (tp_rank={tp_rank}, pp_rank={pp_rank})")
+    check_file(ckpt_dir, read_metadata(ckpt_dir) if meta is None else meta, rel, tp_rank=tp_rank, pp_rank=pp_rank)
     try:
         with safe_open(path, framework="pt") as f:
             splits = json.loads((f.metadata() or {}).get("tensor_parallel_splits", "{}"))
@@ -324,30 +439,61 @@ def load_checkpoint(
     load_optimizer: bool = True,
     load_rng: bool = True,
 ) -> tuple[int, dict[str, Any]]:
-    """Load the latest (or given) iteration; returns (iteration, metadata). (0, {}) if none exists."""
+    """Load the latest (or given) iteration; returns (iteration, metadata). (0, {}) if none exists.
+
+    Every file is verified against its recorded checksum first; every error is a CheckpointError naming the file.
+    """
     if iteration is None:
         iteration = read_latest_iteration(load_dir)
         if iteration is None:
             return 0, {}
-    ckpt_dir = iteration_dir(load_dir, iteration)
+    ckpt_dir = find_checkpoint_dir(load_dir, iteration)
     meta = read_metadata(ckpt_dir)
     check_compatible(meta, model_config, ckpt_dir)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank)
+    tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank, meta)
     load_model_state(model, tensors, ckpt_dir)
     if optimizer is not None and load_optimizer:
-        path = os.path.join(ckpt_dir, rank_dir_name(tp_rank, pp_rank), "optimizer.pt")
+        rel = f"{rank_dir_name(tp_rank, pp_rank)}/optimizer.pt"
+        path = os.path.join(ckpt_dir, rel)
         if not os.path.exists(path):
             raise CheckpointError(f"missing optimizer state {path}")
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
-            opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+        state = load_torch_file(check_file(ckpt_dir, meta, rel, tp_rank=tp_rank, pp_rank=pp_rank))
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+            if opt_param_scheduler is not None and state.get("opt_param_scheduler") is not None:
+                opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+        except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as e:
+            raise CheckpointError(f"{path} does not fit this optimizer or LR scheduler: "
+                                  f"{type(e).__name__}: {e}") from e
     if load_rng:
-        path = os.path.join(ckpt_dir, "rng", f"rank_{_global_rank():05d}.pt")
+        rel = f"rng/rank_{_global_rank():05d}.pt"
+        path = os.path.join(ckpt_dir, rel)
         if not os.path.exists(path):
             raise CheckpointError(f"missing RNG state {path} (was the checkpoint saved with another world size?)")
-        set_rng_state(torch.load(path, map_location="cpu", weights_only=False))
+        state = load_torch_file(check_file(ckpt_dir, meta, rel, rank=_global_rank()))
+        try:
+            set_rng_state(state)
+        except (KeyError, TypeError, AttributeError, RuntimeError) as e:  # "Invalid mt19937 state"
+            raise CheckpointError(f"{path} holds no valid RNG state: {type(e).__name__}: {e}") from e
     _barrier()
     return iteration, meta
+
+
+def verify_checkpoint(load_dir: str, iteration: Optional[int] = None) -> tuple[str, list[str]]:
+    """Check every file of one checkpoint (the latest, or ``iteration``): (its directory, one line per bad file).
+
+    See ``checkpoint_integrity.verify_files``. Raises CheckpointError when not even the tracker or
+    metadata.json can be read.
+    """
+    if iteration is None:
+        iteration = read_latest_iteration(load_dir)
+        if iteration is None:
+            raise CheckpointError(f"{load_dir} holds no checkpoint ({LATEST_FILE} is missing)")
+    ckpt_dir = find_checkpoint_dir(load_dir, iteration)
+    meta = read_metadata(ckpt_dir)
+    layout = meta["layout"]
+    shards = [f"{rank_dir_name(t, p)}/model.safetensors" for t in range(layout["tensor_model_parallel_size"])
+              for p in range(layout["pipeline_model_parallel_size"])]
+    return ckpt_dir, verify_files(ckpt_dir, meta, shards)

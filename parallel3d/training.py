@@ -374,6 +374,8 @@ def pretrain(
 
     Expects ``initialize_distributed(args)`` and ``validate_args`` to have run.
     """
+    if args.save:  # an unwritable --save fails now, not at the first save hours in
+        checkpointing.check_save_dir_writable(args.save)
     model = get_model(model_provider, args)
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
     scheduler = get_optimizer_param_scheduler(optimizer, args)

@@ -37,7 +37,7 @@ from parallel3d.device import default_backend, default_device  # noqa: E402
 from parallel3d.checkpointing import (  # noqa: E402
     CheckpointError,
     check_compatible,
-    iteration_dir,
+    find_checkpoint_dir,
     load_model_shards,
     load_model_state,
     read_latest_iteration,
@@ -76,7 +76,7 @@ def read_checkpoint(load_dir: str) -> tuple[str, dict[str, Any], TransformerConf
     iteration = read_latest_iteration(load_dir)
     if iteration is None:
         raise CheckpointError(f"{load_dir} holds no checkpoint (latest_checkpointed_iteration.txt is missing)")
-    ckpt_dir = iteration_dir(load_dir, iteration)
+    ckpt_dir = find_checkpoint_dir(load_dir, iteration)
     meta = read_metadata(ckpt_dir)
     return ckpt_dir, meta, config_from_metadata(meta.get("model_config"), ckpt_dir)
 
@@ -105,7 +105,7 @@ def load_model(load_dir: str, *, sequence_parallel: bool = False,
         chunk = GPTModel(config, pre_process=pp_rank == 0 and c == 0, post_process=pp_rank == pp - 1 and c == vp - 1,
                          layer_numbers=partition[pp_rank][c], vp_stage=c)
         chunks.append(chunk.to(device) if device is not None else chunk)
-    tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank)
+    tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank, meta)  # verifies the file's checksum
     load_model_state(chunks, tensors, ckpt_dir)
     for chunk in chunks:
         chunk.eval()

@@ -11,7 +11,8 @@ unsplit (TP=1) and with the real, unpadded vocabulary. A loader (``hf``, ``paral
 produces units from its files, a saver consumes them and writes its files straight to
 disk, so no more than one unit is held in memory at a time.
 
-Modules: ``schema`` (what each unit holds for a TransformerConfig), ``safetensors_stream``
-(a safetensors file written tensor by tensor), ``hf`` (Hugging Face GPT-2 / LLaMA),
-``parallel3d_format`` (our sharded checkpoints).
+Modules: ``schema`` (what each unit holds for a TransformerConfig), ``hf`` (Hugging Face
+GPT-2 / LLaMA), ``parallel3d_format`` (our sharded checkpoints); files are written by
+``parallel3d.safetensors_stream`` (a safetensors file written tensor by tensor), which
+``save_checkpoint`` shares.
 """

@@ -4,7 +4,8 @@ Reads a LOCAL model directory: ``config.json`` and the weights as ``model.safete
 ``pytorch_model.bin``, or either sharded with its ``*.index.json``. safetensors files are
 opened lazily and ``.bin`` files memory-mapped, so a unit reads only its own tensors.
 Writes ``config.json`` + ``model.safetensors`` that ``from_pretrained`` loads. transformers
-itself is not needed for either.
+itself is not needed for either. The weight files are read by ``hf_files``, which refuses any
+path (an index.json's, a symlink's) that leaves the load directory.
 
 Layouts (HF -> Megatron-Core):
 - GPT-2's Conv1D weights are [in, out]: transposed. ``c_attn`` is [q | k | v] (heads in
@@ -17,24 +18,21 @@ Layouts (HF -> Megatron-Core):
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 from typing import Any, Optional
 
 import torch
-from safetensors import safe_open
 
 from models.config import TransformerConfig
+from parallel3d.safetensors_stream import StreamingSafetensorsWriter
 
-from .safetensors_stream import StreamingSafetensorsWriter
+from .hf_files import SAFETENSORS_FILE, TensorFiles, confined_path
 from .schema import ConversionError
 
 CONFIG_FILE = "config.json"
-SAFETENSORS_FILE = "model.safetensors"
 SUPPORTED = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Buffers older checkpoints saved next to the weights: not parameters, nothing to convert.
 _IGNORED = re.compile(r"(^|\.)(h\.\d+\.attn\.(masked_)?bias|layers\.\d+\.self_attn\.rotary_emb\.inv_freq)$")
@@ -44,9 +42,9 @@ _IGNORED = re.compile(r"(^|\.)(h\.\d+\.attn\.(masked_)?bias|layers\.\d+\.self_at
 
 def read_hf_config(load_dir: str) -> tuple[str, dict[str, Any]]:
     """(family "gpt2" | "llama", the config.json dict) of a local model directory."""
-    path = os.path.join(load_dir, CONFIG_FILE)
     if not os.path.isdir(load_dir):
         raise ConversionError(f"--load-dir {load_dir!r} does not exist")
+    path = confined_path(load_dir, CONFIG_FILE)
     if not os.path.isfile(path):
         raise ConversionError(f"{load_dir} is not a Hugging Face model directory: {CONFIG_FILE} is missing")
     with open(path) as f:
@@ -340,84 +338,12 @@ def _head_names(family: str) -> dict[str, str]:
     return {"norm.weight": "decoder.final_layernorm.weight"}
 
 
-# --------------------------------------------------------------------------- files
-
-class _TensorFiles:
-    """name -> tensor over a model's weight files, each tensor read only when asked for."""
-
-    def __init__(self, load_dir: str):
-        self._stack = contextlib.ExitStack()
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, torch.dtype] = {}
-        self._get: dict[str, Any] = {}
-        index, files = self._find(load_dir)
-        try:
-            for name in files:
-                path = os.path.join(load_dir, name)
-                if not os.path.isfile(path):
-                    raise ConversionError(f"{load_dir}: weight shard {name} listed in {index} is missing")
-                self._open(path)
-            if index is not None:
-                with open(os.path.join(load_dir, index)) as f:
-                    weight_map = json.load(f).get("weight_map", {})
-                absent = sorted(k for k in weight_map if k not in self.shapes)
-                if absent:
-                    raise ConversionError(f"{load_dir}: {index} lists tensors its shards do not hold: {absent[:5]}")
-        except BaseException:
-            self._stack.close()
-            raise
-
-    @staticmethod
-    def _find(load_dir: str) -> tuple[Optional[str], list[str]]:
-        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-            path = os.path.join(load_dir, index)
-            if os.path.isfile(path):
-                with open(path) as f:
-                    weight_map = json.load(f).get("weight_map")
-                if not weight_map:
-                    raise ConversionError(f"{path} has no weight_map")
-                return index, sorted(set(weight_map.values()))
-        for single in (SAFETENSORS_FILE, "pytorch_model.bin"):
-            if os.path.isfile(os.path.join(load_dir, single)):
-                return None, [single]
-        raise ConversionError(f"{load_dir} holds no weights: expected {SAFETENSORS_FILE}, pytorch_model.bin or "
-                              "either's .index.json with its shards")
-
-    def _open(self, path: str) -> None:
-        if path.endswith(".safetensors"):
-            try:
-                f = self._stack.enter_context(safe_open(path, framework="pt"))
-            except Exception as e:  # noqa: BLE001
-                raise ConversionError(f"cannot read {path}: {e}") from e
-            for k in f.keys():
-                sl = f.get_slice(k)
-                self._add(k, tuple(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype()), f.get_tensor, path)
-            return
-        try:  # memory-mapped: pages are read when a tensor is used
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except RuntimeError:  # a pre-zipfile torch.save cannot be mapped
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        for k, t in state.items():
-            self._add(k, tuple(t.shape), t.dtype, state.__getitem__, path)
-
-    def _add(self, name: str, shape: tuple[int, ...], dtype: Optional[torch.dtype], get: Any, path: str) -> None:
-        if name in self.shapes:
-            raise ConversionError(f"tensor {name} appears in more than one weight file (again in {path})")
-        self.shapes[name], self.dtypes[name], self._get[name] = shape, dtype, get
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._get[name](name)
-
-    def close(self) -> None:
-        self._stack.close()
-
-
 class HfLoader:
     """Units of a local Hugging Face GPT-2 / LLaMA model directory."""
 
     def __init__(self, load_dir: str):
         self.family, self.hf_config = read_hf_config(load_dir)
-        self.files = _TensorFiles(load_dir)
+        self.files = TensorFiles(load_dir)
         try:
             self._setup(load_dir)
         except BaseException:

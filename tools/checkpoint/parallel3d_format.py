@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from models.config import TransformerConfig
+from parallel3d.checkpoint_integrity import FILES_KEY, check_file
 from parallel3d.checkpointing import (
     FORMAT_VERSION,
     LATEST_FILE,
@@ -35,14 +36,15 @@ from parallel3d.checkpointing import (
     _atomic_write_text,
     _fsync_dir,
     _to_jsonable,
+    find_checkpoint_dir,
     iteration_dir,
     rank_dir_name,
     read_latest_iteration,
     read_metadata,
 )
 from parallel3d.pipeline.partition import partition_layers
+from parallel3d.safetensors_stream import StreamingSafetensorsWriter
 
-from .safetensors_stream import StreamingSafetensorsWriter
 from .schema import ConversionError, ParamSpec, embedding_specs, head_specs, layer_specs, merge, shard
 
 MODEL_FILE = "model.safetensors"
@@ -108,8 +110,8 @@ class Parallel3dLoader:
             raise ConversionError(str(e)) from e
         if iteration is None:
             raise ConversionError(f"{load_dir} holds no parallel3d checkpoint ({LATEST_FILE} is missing)")
-        self.ckpt_dir = ckpt = iteration_dir(load_dir, iteration)
         try:
+            self.ckpt_dir = ckpt = find_checkpoint_dir(load_dir, iteration)
             meta = read_metadata(ckpt)
         except CheckpointError as e:
             raise ConversionError(str(e)) from e
@@ -143,6 +145,10 @@ class Parallel3dLoader:
             for t in range(tp):
                 for p in range(pp):
                     path = os.path.join(ckpt, rank_dir_name(t, p), MODEL_FILE)
+                    try:  # its checksum first: a converter must not spread flipped bits into a new checkpoint
+                        check_file(ckpt, meta, f"{rank_dir_name(t, p)}/{MODEL_FILE}", tp_rank=t, pp_rank=p)
+                    except CheckpointError as e:
+                        raise ConversionError(str(e)) from e
                     try:
                         f = self._stack.enter_context(safe_open(path, framework="pt"))
                     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
@@ -305,8 +311,11 @@ class Parallel3dSaver:
         self._write("head", tensors)
 
     def finish(self) -> None:
-        for w in self._writers.values():
-            w.close()
+        files = {}  # the file records save_checkpoint keeps, so loads and tools verify converted checkpoints too
+        for (t, p), w in self._writers.items():
+            digest = w.close()
+            files[f"{rank_dir_name(t, p)}/{MODEL_FILE}"] = {"sha256": digest, "bytes": os.path.getsize(w.path),
+                                                            "tp_rank": t, "pp_rank": p, "dp_rank": 0}
         cfg = self.config
         meta = {
             "format_version": FORMAT_VERSION,
@@ -320,6 +329,7 @@ class Parallel3dSaver:
             "layer_numbers": [[list(r) for r in chunks] for chunks in self.partition],
             "args": None,
             "extra": _to_jsonable(self.extra),
+            FILES_KEY: files,
         }
         path = os.path.join(self.ckpt_dir, METADATA_FILE)
         with open(path, "w") as f:

@@ -1,4 +1,4 @@
-"""A safetensors file written one tensor at a time, so a converter never holds a whole file.
+"""A safetensors file written one tensor at a time, so a writer never holds a whole file.
 
 safetensors is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
 [begin, end) byte offsets in the data section; ``__metadata__`` -> str), then the raw data.
@@ -6,9 +6,15 @@ With every name, dtype and shape known up front the header is written first and 
 tensor goes to its offset when it arrives, in any order. The result is the file
 ``safetensors.torch.save_file`` would write for the same tensors (it loads with
 ``safe_open``/``load_file``, transformers included).
+
+The file's SHA-256 is computed as it is written: tensors written in declared order (as
+``save_checkpoint`` writes them) are hashed from the bytes in hand; only a part written
+out of order (a converter's tied output layer, say) is read back at ``close``.
+Used by ``save_checkpoint`` and by the converters in tools/checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -17,7 +23,9 @@ from typing import Optional
 import torch
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_READ_CHUNK = 1 << 24
 
 
 class StreamingSafetensorsWriter:
@@ -42,8 +50,11 @@ class StreamingSafetensorsWriter:
         self._size = offset
         self._written: set[str] = set()
         self._file = open(path, "wb")
-        self._file.write(struct.pack("<Q", len(text)))
-        self._file.write(text)
+        preamble = struct.pack("<Q", len(text)) + text
+        self._sha256 = hashlib.sha256(preamble)
+        self._hashed = 0  # bytes of the data section hashed so far (a prefix)
+        self.sha256: Optional[str] = None  # hex digest of the whole file, once closed
+        self._file.write(preamble)
         self._file.truncate(self._data_start + self._size)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -56,12 +67,15 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"{self.path}: {name} is {tensor.dtype} {tuple(tensor.shape)}, declared {dtype} {shape}")
         self._file.seek(self._data_start + offset)
         if nbytes:
-            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-            self._file.write(memoryview(data))
+            data = memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+            self._file.write(data)
+            if offset == self._hashed:
+                self._sha256.update(data)
+                self._hashed += nbytes
         self._written.add(name)
 
-    def close(self) -> None:
-        """Check every declared tensor was written, then flush and fsync the file."""
+    def close(self) -> str:
+        """Check every declared tensor was written, flush and fsync the file; returns its SHA-256."""
         missing = [n for n in self._layout if n not in self._written]
         if missing:
             self._file.close()
@@ -69,6 +83,13 @@ class StreamingSafetensorsWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+        if self._hashed < self._size:  # tensors arrived out of order: hash the rest from the file
+            with open(self.path, "rb") as f:
+                f.seek(self._data_start + self._hashed)
+                for block in iter(lambda: f.read(_READ_CHUNK), b""):
+                    self._sha256.update(block)
+        self.sha256 = self._sha256.hexdigest()
+        return self.sha256
 
     def abort(self) -> None:
         if not self._file.closed:

@@ -1,0 +1,133 @@
+"""Converter inputs that must be refused: paths leaving the load directory, pickles that would run code,
+and parallel3d checkpoints whose files fail their checksums. Converted checkpoints carry checksums too.
+"""
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from parallel3d import checkpointing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # tools/ is not installed with the package
+    sys.path.insert(0, ROOT)
+
+from tools.checkpoint.hf import HfLoader  # noqa: E402
+from tools.checkpoint.hf_files import confined_path  # noqa: E402
+from tools.checkpoint.schema import ConversionError  # noqa: E402
+from tools.convert_checkpoint import convert  # noqa: E402
+
+GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2,
+        "n_positions": 8, "vocab_size": 16}
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    """(model dir with config.json, a directory beside it holding a real safetensors file)."""
+    model = tmp_path / "model"
+    outside = tmp_path / "outside"
+    model.mkdir()
+    outside.mkdir()
+    (model / "config.json").write_text(json.dumps(GPT2))
+    save_file({"transformer.wte.weight": torch.zeros(16, 8)}, str(outside / "model.safetensors"))
+    return model, outside
+
+
+def _index(model, target):
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"transformer.wte.weight": target}}))
+
+
+@pytest.mark.parametrize("target,message", [
+    ("../outside/model.safetensors",
+     r"lists weight file '\.\./outside/model.safetensors': a path leaving .* \('\.\.'\)"),
+    ("sub/../../outside/model.safetensors", r"a path leaving .*\('\.\.'\)"),
+    ("ABSOLUTE", r"lists weight file '/.*outside/model.safetensors': an absolute path"),
+    ("~/model.safetensors", r"an absolute path"),
+], ids=["dotdot", "nested_dotdot", "absolute", "home"])
+def test_index_paths_leaving_the_load_dir_are_refused(dirs, target, message):
+    model, outside = dirs
+    _index(model, str(outside / "model.safetensors") if target == "ABSOLUTE" else target)
+    with pytest.raises(ConversionError, match=message):
+        HfLoader(str(model))
+
+
+def test_symlinks_leaving_the_load_dir_are_refused(dirs):
+    model, outside = dirs
+    os.symlink(outside / "model.safetensors", model / "shard.safetensors")
+    _index(model, "shard.safetensors")
+    with pytest.raises(ConversionError, match=r"shard.safetensors resolves to .*outside/model.safetensors, outside "
+                                              r".*model \(a symlink leaving the model directory\)"):
+        HfLoader(str(model))
+    os.remove(model / "model.safetensors.index.json")
+    os.symlink(outside / "model.safetensors", model / "model.safetensors")  # the unsharded file itself
+    with pytest.raises(ConversionError, match=r"a symlink leaving the model directory"):
+        HfLoader(str(model))
+    os.replace(model / "config.json", outside / "config.json")
+    os.symlink(outside / "config.json", model / "config.json")
+    with pytest.raises(ConversionError, match=r"config.json resolves to .*outside/config.json"):
+        HfLoader(str(model))
+
+
+def test_links_inside_the_dir_and_a_hub_cache_snapshot_are_allowed(tmp_path):
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "blobs" / "f00d").write_text("{}")
+    os.symlink("../../blobs/f00d", snapshot / "config.json")  # how the hub cache lays a snapshot out
+    assert confined_path(str(snapshot), "config.json") == str(snapshot / "config.json")
+    (snapshot / "real.safetensors").write_text("")
+    os.symlink("real.safetensors", snapshot / "alias.safetensors")
+    assert confined_path(str(snapshot), "alias.safetensors").endswith("alias.safetensors")
+    (repo / "secret").write_text("")
+    os.symlink("../../secret", snapshot / "escape.safetensors")  # the repo folder is not the blobs folder
+    with pytest.raises(ConversionError, match="a symlink leaving"):
+        confined_path(str(snapshot), "escape.safetensors")
+
+
+def test_a_pickle_payload_in_pytorch_model_bin_is_refused_not_run(dirs, tmp_path):
+    model, _ = dirs
+    marker = tmp_path / "payload_ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+    torch.save({"transformer.wte.weight": Payload()}, str(model / "pytorch_model.bin"))
+    with pytest.raises(ConversionError, match=r"refused to load .*pytorch_model.bin: it holds objects other than "
+                                              r"tensors.*could run code"):
+        HfLoader(str(model))
+    assert not marker.exists()
+    (model / "pytorch_model.bin").write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(ConversionError, match=r"cannot read .*pytorch_model.bin"):
+        HfLoader(str(model))
+
+
+def test_converted_checkpoints_carry_checksums_and_a_damaged_one_is_not_converted(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=16, vocab_size=64)).save_pretrained(
+        str(tmp_path / "hf"))
+    ckpt = str(tmp_path / "tp2")
+    convert("hf", "parallel3d", str(tmp_path / "hf"), ckpt, target_tensor_parallel_size=2)
+    ckpt_dir, problems = checkpointing.verify_checkpoint(ckpt)
+    assert problems == []
+    meta = checkpointing.read_metadata(ckpt_dir)
+    assert sorted(meta["files"]) == ["mp_rank_00_000/model.safetensors", "mp_rank_01_000/model.safetensors"]
+    assert meta["files"]["mp_rank_01_000/model.safetensors"]["tp_rank"] == 1
+    convert("parallel3d", "parallel3d", ckpt, str(tmp_path / "tp1"))  # a verified source converts
+    assert checkpointing.verify_checkpoint(str(tmp_path / "tp1"))[1] == []
+
+    path = os.path.join(ckpt_dir, "mp_rank_01_000", "model.safetensors")
+    with open(path, "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        f.write(b"\x7f")
+    with pytest.raises(ConversionError, match=r"mp_rank_01_000/model.safetensors fails its checksum"):
+        convert("parallel3d", "hf", ckpt, str(tmp_path / "back"))
+    assert not os.path.exists(tmp_path / "back")
+    problems = checkpointing.verify_checkpoint(ckpt)[1]
+    assert len(problems) == 1 and "mp_rank_01_000/model.safetensors fails its checksum" in problems[0]
