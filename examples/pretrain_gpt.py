@@ -198,6 +198,8 @@ def main(argv=None) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         validate_args(args, world_size)
+        if args.sample_tokens < 0:
+            raise ArgumentError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         args.vocab_size = args.vocab_size or tokenizer.vocab_size
         if args.vocab_size < tokenizer.vocab_size:
