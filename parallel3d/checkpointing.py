@@ -347,7 +347,9 @@ def load_checkpoint(
     if load_rng:
         path = os.path.join(ckpt_dir, "rng", f"rank_{_global_rank():05d}.pt")
         if not os.path.exists(path):
-            raise CheckpointError(f"missing RNG state {path} (was the checkpoint saved with another world size?)")
+            raise CheckpointError(f"missing RNG state {path} (saved with fewer ranks, e.g. a smaller data-parallel "
+                                  "size?). Model and optimizer state do not depend on the data-parallel "
+                                  "size: resume with --no-load-rng (fresh dropout RNG streams)")
         set_rng_state(torch.load(path, map_location="cpu", weights_only=False))
     _barrier()
     return iteration, meta
