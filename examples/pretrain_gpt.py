@@ -38,6 +38,7 @@ from models.generation import generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
 from parallel3d.training import device, initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
+from parallel3d.training_guards import errors_as_one_line  # noqa: E402
 
 
 def add_example_args(parser: argparse.ArgumentParser) -> None:
@@ -217,6 +218,12 @@ def main(argv=None) -> dict:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
 
+    # Past this point a failure is one "error: rank N: ..." line per rank (PARALLEL3D_DEBUG=1: the traceback).
+    with errors_as_one_line():
+        return _train(args, tokenizer, config, partition)
+
+
+def _train(args: argparse.Namespace, tokenizer, config: TransformerConfig, partition: list[list[range]]) -> dict:
     initialize_distributed(args)
     if not args.data_path:
         tok_id = "byte" if args.tokenizer_type == "byte" else \
@@ -234,7 +241,7 @@ def main(argv=None) -> dict:
     result = pretrain(args, partial(model_provider, config, partition),
                       partial(forward_step, args.calculate_per_token_loss), datasets_provider,
                       model_config=config, layer_numbers=[[list(r) for r in chunks] for chunks in partition])
-    if args.sample_prompt:
+    if args.sample_prompt and not result["exit_signal"]:
         text, generated = sample_continuation(result["model"], tokenizer, config, args.sample_prompt,
                                               args.sample_tokens)
         if is_last_rank():
