@@ -308,3 +308,19 @@ def test_debug_env_shows_the_traceback(tmp_path):
         _cleanup(agent, [])
     err = (tmp_path / "err.txt").read_text()
     assert rc != 0 and "Traceback" in err and "TrainingError: iteration" in err, err[-3000:]
+
+
+def test_generate_error_after_init_is_one_line(tmp_path):
+    """tools/generate.py: a shard that disappears after the up-front checks is one line, not a traceback."""
+    _train(["--train-iters", "1", "--save", str(tmp_path / "ckpt")])
+    shard = tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00_000" / "model.safetensors"
+    shard.unlink()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in ("WORLD_SIZE", "RANK", "PARALLEL3D_DEBUG"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load", str(tmp_path / "ckpt"),
+                           "--prompt-ids", "1,2", "--max-new-tokens", "2", "--output-json", str(tmp_path / "o.json")],
+                          capture_output=True, text=True, timeout=120, env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: rank 0: ") and "model.safetensors" in lines[0], lines[0]
