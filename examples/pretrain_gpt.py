@@ -39,6 +39,7 @@ from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
 from parallel3d.training import initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
+from parallel3d.training_guards import errors_as_one_line  # noqa: E402
 
 
 def add_example_args(parser: argparse.ArgumentParser) -> None:
@@ -199,6 +200,8 @@ def main(argv=None) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         validate_args(args, world_size)
+        if args.sample_tokens < 0:
+            raise ArgumentError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         args.vocab_size = args.vocab_size or tokenizer.vocab_size
         if args.vocab_size < tokenizer.vocab_size:
@@ -216,6 +219,12 @@ def main(argv=None) -> dict:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
 
+    # Past this point a failure is one "error: rank N: ..." line per rank (PARALLEL3D_DEBUG=1: the traceback).
+    with errors_as_one_line():
+        return _train(args, tokenizer, config, partition)
+
+
+def _train(args: argparse.Namespace, tokenizer, config: TransformerConfig, partition: list[list[range]]) -> dict:
     initialize_distributed(args)
     if not args.data_path:
         tok_id = "byte" if args.tokenizer_type == "byte" else \
@@ -233,7 +242,7 @@ def main(argv=None) -> dict:
     result = pretrain(args, partial(model_provider, config, partition),
                       partial(forward_step, args.calculate_per_token_loss), datasets_provider,
                       model_config=config, layer_numbers=[[list(r) for r in chunks] for chunks in partition])
-    if args.sample_prompt:
+    if args.sample_prompt and not result["exit_signal"]:
         text, generated = sample_continuation(result["model"], tokenizer, config, args.sample_prompt,
                                               args.sample_tokens)
         if is_last_rank():

@@ -10,6 +10,9 @@ on the same input, so every rank exits with the same message.
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import sys
 from typing import Callable, Optional, Sequence
 
 
@@ -70,6 +73,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-deallocate-pipeline-outputs", dest="deallocate_pipeline_outputs", action="store_false",
                    help="keep the data of activations sent to the next stage (GPT stage outputs are residual "
                         "adds, so freeing them is safe and the default)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="how long a rank waits in a collective or pipeline transfer before it reports the rank "
+                        "it waited for and exits (torch's default is 30 min; fractions allowed)")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -104,6 +110,16 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false", help="keep training through a non-finite loss or gradient norm")
+    g.add_argument("--skip-nonfinite-iters", type=int, default=0,
+                   help="parallel3d's own (Megatron has none): skip the update of up to N iterations whose loss or "
+                        "gradient norm is not finite, then stop; 0 stops at the first")
+    g.add_argument("--max-consecutive-skipped-iters", type=int, default=100,
+                   help="parallel3d's own: stop after N iterations in a row skipped by the fp16 loss scaler or the "
+                        "non-finite check (0: never)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, finish the iteration, save a checkpoint and exit 0 (all ranks agree)")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -162,12 +178,93 @@ class ArgumentError(ValueError):
     pass
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# Range rules per flag: (flags, test, what the value must be). Optional flags (default None) are only
+# checked when given. Checked first, so later arithmetic (modulo, division) never sees a zero.
+_RANGES: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...] = (
+    (("micro_batch_size", "global_batch_size", "train_iters", "num_layers", "hidden_size", "num_attention_heads",
+      "seq_length", "make_vocab_size_divisible_by", "log_interval", "eval_interval", "lr_decay_iters",
+      "ffn_hidden_size", "kv_channels", "num_query_groups", "max_position_embeddings", "recompute_num_layers",
+      "num_layers_per_virtual_pipeline_stage", "virtual_pipeline_model_parallel_size",
+      "microbatch_group_size_per_vp_stage", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+      "ddp_bucket_size", "exit_interval", "save_interval", "lr_wsd_decay_iters", "vocab_size"),
+     lambda v: v >= 1, ">= 1"),
+    (("lr", "min_lr", "lr_warmup_iters", "weight_decay", "sgd_momentum", "num_workers", "eval_iters",
+      "skip_nonfinite_iters", "max_consecutive_skipped_iters"),
+     lambda v: v >= 0, ">= 0"),
+    (("clip_grad",), lambda v: v >= 0, ">= 0 (0 turns clipping off)"),
+    (("seed",), lambda v: 0 <= v < 2 ** 31, "in [0, 2**31) (numpy seeds the data order with it)"),
+    (("rotary_base", "norm_epsilon", "adam_eps", "init_method_std", "loss_scale", "peak_tflops",
+      "distributed_timeout_minutes"),
+     lambda v: v > 0, "> 0"),
+    (("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction"),
+     lambda v: 0 <= v < 1, "in [0, 1)"),
+    (("rotary_percent",), lambda v: 0 < v <= 1, "in (0, 1]"),
+)
+_SPLIT = re.compile(r"\s*\d*\.?\d+\s*([,/]\s*\d*\.?\d+\s*){0,2}")
+
+
+def _notice(message: str) -> None:
+    """A setting changed for the user: say so once (rank 0; torchrun sets RANK before any init)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"notice: {message}", file=sys.stderr, flush=True)
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    for names, ok, need in _RANGES:
+        for name in names:
+            value = getattr(args, name, None)
+            if value is not None and not ok(value):
+                raise ArgumentError(f"{_flag(name)} must be {need}, got {value}")
+    if not _SPLIT.fullmatch(args.split) or not any(float(x) > 0 for x in re.split(r"[,/]", args.split)):
+        raise ArgumentError(f"--split {args.split!r} must be 1 to 3 non-negative weights (train,valid,test) with a "
+                            "positive sum, e.g. 969,30,1")
+
+
+def _check_optimizer_and_schedule(args: argparse.Namespace) -> None:
+    """The optimizer's and LR schedule's rules, in the flags' own units (iterations), before any work."""
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    if args.loss_scale is not None and not (args.fp16 or args.bf16):
+        raise ArgumentError(f"--loss-scale ({args.loss_scale}) applies to --fp16 or --bf16 training only")
+    if args.fp16 and args.loss_scale is None:
+        if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+            raise ArgumentError(f"--min-loss-scale ({args.min_loss_scale}) must be in (0, --initial-loss-scale "
+                                f"({args.initial_loss_scale})]")
+        for name in ("loss_scale_window", "hysteresis"):
+            if getattr(args, name) < 1:
+                raise ArgumentError(f"{_flag(name)} must be >= 1 with dynamic fp16 loss scaling, got "
+                                    f"{getattr(args, name)}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    warmup, decay = args.lr_warmup_iters, args.lr_decay_iters
+    source = (f"--lr-warmup-fraction {args.lr_warmup_fraction} x --lr-decay-iters {decay} = {warmup}"
+              if args.lr_warmup_fraction is not None else f"--lr-warmup-iters ({warmup})")
+    if args.lr_decay_style != "constant" and warmup >= decay:
+        raise ArgumentError(f"{source} must be < --lr-decay-iters ({decay}; default --train-iters) for "
+                            f"--lr-decay-style {args.lr_decay_style}: lower the warmup or raise --lr-decay-iters")
+    if args.lr_decay_style == "WSD":
+        wsd = args.lr_wsd_decay_iters
+        if wsd is None or wsd > decay - warmup:
+            raise ArgumentError(f"--lr-decay-style WSD needs --lr-wsd-decay-iters in [1, --lr-decay-iters - warmup "
+                                f"= {decay - warmup}], got {wsd}")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Derive DP size, virtual size and microbatch count; refuse impossible settings."""
+    """Derive DP size, virtual size and microbatch count; refuse impossible settings.
+
+    Each refusal is one ArgumentError naming the flag, its value and what it must be.
+    """
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) "
                             "must be >= 1")
+    _check_ranges(args)
     if world_size % (tp * pp) != 0:
         raise ArgumentError(f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
                             f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}")
@@ -185,7 +282,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                 f"of --num-layers-per-virtual-pipeline-stage ({args.num_layers_per_virtual_pipeline_stage})")
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
     vp = args.virtual_pipeline_model_parallel_size
-    if vp is not None and vp <= 1:
+    if vp == 1:
         args.virtual_pipeline_model_parallel_size = vp = None
     if vp is not None and pp == 1:
         raise ArgumentError(f"virtual pipeline stages ({vp}) need --pipeline-model-parallel-size > 1")
@@ -210,7 +307,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             f"{args.data_parallel_size})); raise --global-batch-size to a multiple of {per_step} "
                             f">= {per_step * pp}")
     if args.sequence_parallel and tp == 1:
-        args.sequence_parallel = False  # nothing to split: Megatron also turns it off
+        args.sequence_parallel = False  # nothing to split: Megatron also turns it off, with a warning
+        _notice("--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off")
     if args.sequence_parallel and args.seq_length % tp != 0:
         raise ArgumentError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
                             f"--tensor-model-parallel-size ({tp})")
@@ -220,17 +318,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError("--group-query-attention needs --num-query-groups")
     if not args.group_query_attention:
         args.num_query_groups = None
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    _check_optimizer_and_schedule(args)
     if args.save_interval is None and args.save is not None:
         args.save_interval = args.train_iters
     if args.recompute_granularity == "full" and args.recompute_method is None:
         args.recompute_method = "uniform"
     if args.recompute_granularity == "full" and args.recompute_num_layers is None:
         args.recompute_num_layers = 1
-    for name in ("micro_batch_size", "train_iters", "log_interval", "eval_interval", "seq_length"):
-        if getattr(args, name) < 1:
-            raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args

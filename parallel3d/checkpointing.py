@@ -52,6 +52,8 @@ from parallel3d.checkpoint_integrity import (
     write_error,
     write_json,
 )
+from parallel3d.device import default_device
+from parallel3d.distributed_timeout import waiting_for
 from parallel3d.tensor_parallel import get_cuda_rng_tracker
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -124,7 +126,7 @@ def model_state_for_save(chunks: Sequence[torch.nn.Module]) -> tuple[dict[str, t
 def get_rng_state() -> dict[str, Any]:
     return {
         "cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+        "cuda": torch.cuda.get_rng_state() if default_device().type == "cuda" else None,
         "tracker": get_cuda_rng_tracker().get_states(),
     }
 
@@ -147,11 +149,6 @@ def _layout() -> dict[str, Any]:
             "data_parallel_size": st.data_parallel_size}
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -160,9 +157,9 @@ def _all_ranks_ok(ok: bool) -> bool:
     """Whether every rank reports ok: a sync point that, unlike a barrier, lets all ranks learn of one's failure."""
     if not dist.is_initialized():
         return ok
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=default_device())
+    with waiting_for("the checkpoint save (every rank's files written?)", "every rank"):
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
@@ -293,7 +290,8 @@ def save_checkpoint(
     if not _all_ranks_ok(error is None):
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()  # nobody returns before the partial directory is gone
+        if dist.is_initialized():
+            dist.barrier()  # nobody returns before the partial directory is gone
         raise error or CheckpointError(f"saving {final} failed on another rank (see its error); "
                                        f"the partial {tmp} was removed")
 
@@ -471,7 +469,9 @@ def load_checkpoint(
         rel = f"rng/rank_{_global_rank():05d}.pt"
         path = os.path.join(ckpt_dir, rel)
         if not os.path.exists(path):
-            raise CheckpointError(f"missing RNG state {path} (was the checkpoint saved with another world size?)")
+            raise CheckpointError(f"missing RNG state {path} (saved with fewer ranks, e.g. a smaller data-parallel "
+                                  "size?). Model and optimizer state do not depend on the data-parallel "
+                                  "size: resume with --no-load-rng (fresh dropout RNG streams)")
         state = load_torch_file(check_file(ckpt_dir, meta, rel, rank=_global_rank()))
         try:
             set_rng_state(state)

@@ -15,6 +15,7 @@ Two ways to use the groups:
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -174,11 +175,14 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     order: str = "tp-dp-pp",
+    *,
+    timeout: Optional[datetime.timedelta] = None,
 ) -> ParallelState:
     """Create the TP/PP/DP/model-parallel/embedding groups and make them the default.
 
     Every rank must call this with the same arguments (torch.distributed.new_group
-    is collective over the whole world).
+    is collective over the whole world). ``timeout`` bounds every operation of the
+    new groups (Megatron's ``--distributed-timeout-minutes``); None: torch's default.
     """
     global _STATE
     if not dist.is_available() or not dist.is_initialized():
@@ -203,7 +207,7 @@ def initialize_model_parallel(
     for kind, table in tables.items():
         for ranks in table:
             # new_group is collective: every rank creates every group, keeps its own.
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 groups[kind], mine[kind] = group, ranks
     for kind in ("embedding", "position_embedding"):

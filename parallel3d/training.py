@@ -14,6 +14,8 @@ gradients (tied embeddings, sequence-parallel norms), step the optimizer
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
 import math
 import os
@@ -27,6 +29,7 @@ import torch.distributed as dist
 
 from parallel3d import checkpointing, parallel_state
 from parallel3d.device import default_backend, default_device
+from parallel3d.distributed_timeout import CommunicationError, set_timeout, waiting_for
 from parallel3d.data import build_pretraining_data_loader
 from parallel3d.distributed import (
     DistributedDataParallel,
@@ -38,6 +41,7 @@ from parallel3d.distributed import (
 )
 from parallel3d.pipeline import get_forward_backward_func
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
+from parallel3d.training_guards import ExitSignalHandler, StepGuard
 
 # Dense bf16 peak per GPU, for MFU when --peak-tflops is not given (vendor datasheets, SXM parts).
 _PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
@@ -64,11 +68,14 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     backend = args.distributed_backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    # Megatron's --distributed-timeout-minutes: gloo's 30 min default would stall every rank that long.
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
+    set_timeout(timeout)
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        args.virtual_pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size, timeout=timeout,
     )
     # Megatron's _set_random_seed: one seed per pipeline stage for the CPU generator (weights are
     # initialised there) and the device's, TP streams inside the tracker.
@@ -110,6 +117,7 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         params_dtype=params_dtype(args), loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
     )
 
 
@@ -186,7 +194,8 @@ class LossAverager:
         else:
             vec = torch.zeros(len(self.keys) + 1, dtype=torch.float64, device=dev)
         if dist.is_initialized():
-            dist.all_reduce(vec)  # sum over the ranks that reported, divided by their count below
+            with waiting_for("the loss all-reduce", "all ranks"):
+                dist.all_reduce(vec)  # sum over the ranks that reported, divided by their count below
         values = vec.tolist()
         count = max(values[-1], 1.0)
         return {k: values[i] / count for i, k in enumerate(self.keys)}
@@ -199,6 +208,13 @@ def _as_tensor(x: Any, dev: torch.device) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.float64, device=dev).detach().reshape(())
 
 
+def _group_ranks(kind: str) -> list[int]:
+    """This rank's group of ``kind`` (tp, pp, dp, mp) as global ranks, for error messages."""
+    if not parallel_state.model_parallel_is_initialized():
+        return [dist.get_rank() if dist.is_initialized() else 0]
+    return list(parallel_state.get_parallel_state().group_ranks[kind])
+
+
 def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list, optimizer: Any,
                scheduler: Any, args: argparse.Namespace, stats: Optional[list] = None,
                average_losses: Optional[LossAverager] = None
@@ -208,16 +224,21 @@ def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     forward_backward = get_forward_backward_func()
-    losses = forward_backward(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=args.num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        grad_scale_func=optimizer.scale_loss if (args.fp16 or args.bf16) else None,
-        finalize_model_grads_func=finalize_model_grads, pipeline_dtype=params_dtype(args),
-        deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
-        calculate_per_token_loss=args.calculate_per_token_loss,
-        stats=stats, time_actions=stats is not None,
-    )
-    update_successful, grad_norm, _ = optimizer.step()
+    with waiting_for(lambda: f"forward/backward (gradient reduction over data-parallel ranks {_group_ranks('dp')}, "
+                     "tied-embedding all-reduce)", "its data-parallel and embedding-group peers"):
+        losses = forward_backward(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            grad_scale_func=optimizer.scale_loss if (args.fp16 or args.bf16) else None,
+            finalize_model_grads_func=finalize_model_grads, pipeline_dtype=params_dtype(args),
+            deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
+            calculate_per_token_loss=args.calculate_per_token_loss,
+            stats=stats, time_actions=stats is not None,
+        )
+    with waiting_for(lambda: f"the optimizer step (inf check and gradient norm over model-parallel ranks "
+                     f"{_group_ranks('mp')}, data-parallel ranks {_group_ranks('dp')})", "those ranks"):
+        update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
     return (average_losses or LossAverager())(losses), not update_successful, grad_norm
@@ -376,6 +397,15 @@ def pretrain(
     """
     if args.save:  # an unwritable --save fails now, not at the first save hours in
         checkpointing.check_save_dir_writable(args.save)
+    # Installed before the slow setup, so an early SIGTERM still ends in a save after iteration 1.
+    with ExitSignalHandler(default_device()) if args.exit_signal_handler else contextlib.nullcontext() as exit_signal:
+        return _pretrain(args, model_provider, forward_step_func, datasets_provider, model_config, layer_numbers,
+                         exit_signal)
+
+
+def _pretrain(args: argparse.Namespace, model_provider: Callable[..., torch.nn.Module], forward_step_func: Callable,
+              datasets_provider: Callable, model_config: Any, layer_numbers: Optional[Sequence[Sequence[int]]],
+              exit_signal: Optional[ExitSignalHandler]) -> dict[str, Any]:
     model = get_model(model_provider, args)
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
     scheduler = get_optimizer_param_scheduler(optimizer, args)
@@ -408,11 +438,17 @@ def pretrain(
 
     last_saved = None
     train_losses, eval_losses = LossAverager(), LossAverager()
+    guard, stopped_by_signal = StepGuard(args), False
     for chunk in model:
         chunk.train()
     while iteration < args.train_iters:
-        loss, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler, args,
-                                              average_losses=train_losses)
+        try:
+            loss, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler, args,
+                                                  average_losses=train_losses)
+        except CommunicationError as e:
+            raise CommunicationError(f"iteration {iteration + 1}: {e}") from e
+        scaler = getattr(optimizer, "grad_scaler", None)  # its scale is a host float: no sync
+        bad = guard.check(iteration + 1, loss, grad_norm, skipped, model, scaler.scale if scaler else None)
         iteration += 1
         consumed_train += args.global_batch_size
         history.append(loss)
@@ -425,13 +461,18 @@ def pretrain(
         if any(v is not None for v in valid_iter) and args.eval_interval and iteration % args.eval_interval == 0:
             logger.log_eval(iteration, evaluate(forward_step_func, valid_iter, model, args, eval_losses))
             consumed_valid += args.eval_iters * args.global_batch_size
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
+        if args.save and args.save_interval and iteration % args.save_interval == 0 and not bad:
             save(iteration)
             last_saved = iteration
         if args.exit_interval and iteration % args.exit_interval == 0:
+            break
+        if exit_signal is not None and exit_signal.should_exit():
+            print_rank_0(f"exiting after iteration {iteration}: received SIGTERM (--exit-signal-handler)"
+                         + ("" if args.save else "; no --save, so nothing is saved"))
+            stopped_by_signal = True
             break
     if args.save and last_saved != iteration:
         save(iteration)
     logger.close()
     return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iteration": iteration,
-            "losses": history, "grad_norms": grad_norms}
+            "losses": history, "grad_norms": grad_norms, "exit_signal": stopped_by_signal}

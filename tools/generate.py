@@ -47,6 +47,7 @@ from parallel3d.data import build_tokenizer  # noqa: E402
 from parallel3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
 from models.generation import check_generation_args, generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
+from parallel3d.training_guards import errors_as_one_line  # noqa: E402
 from tools.checkpoint.parallel3d_format import config_from_metadata  # noqa: E402
 from tools.checkpoint.schema import ConversionError  # noqa: E402
 
@@ -167,7 +168,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         # every rank checks the same input and exits with the same message, before any collective
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    # Past this point a failure is one "error: rank N: ..." line per rank (PARALLEL3D_DEBUG=1: the traceback).
+    with errors_as_one_line():
+        return _generate(args, tokenizer, prompt_ids, config, sampling)
 
+
+def _generate(args: argparse.Namespace, tokenizer, prompt_ids: list[int], config: TransformerConfig,
+              sampling: dict) -> dict[str, Any]:
     device = _initialize(config)
     chunks, _ = load_model(args.load, device=device)
     max_new = 0 if args.score_only else args.max_new_tokens

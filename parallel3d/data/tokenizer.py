@@ -56,7 +56,11 @@ class HuggingFaceTokenizer:
                 "HuggingFaceTokenizer needs the 'tokenizers' package: pip install tokenizers"
             ) from None
         self.tokenizer_model = tokenizer_model
-        self._tokenizer = Tokenizer.from_file(path)
+        try:
+            self._tokenizer = Tokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception that names neither the file nor the cause
+            raise ValueError(f"cannot read tokenizer file {path}: {' '.join(str(e).split())} (is it a complete "
+                             "HuggingFace tokenizer.json?)") from None
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.eod = self._resolve_eod(eod, path)
 

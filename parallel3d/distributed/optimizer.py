@@ -21,6 +21,7 @@ dtype), so model and optimizer agree afterwards.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -72,6 +73,9 @@ class OptimizerConfig:
     hysteresis: int = 2
     use_distributed_optimizer: bool = False
     log_num_zeros_in_grad: bool = False
+    check_for_nan_in_grad: bool = False
+    """Skip the update when the gradient norm is not finite (as an fp16 overflow does) rather than write
+    NaN into the weights; the caller decides whether to stop (``--check-for-nan-in-loss-and-grad``)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -284,6 +288,9 @@ class MegatronOptimizer:
         groups = self._grad_stats_groups()
         grads_for_norm = [p.grad for p in mains if param_is_counted_in_grad_norm(p, self.tp_rank)]
         grad_norm = get_grad_norm_fp32(grads_for_norm, 2.0, groups, self.device)
+        if self.config.check_for_nan_in_grad and not math.isfinite(grad_norm):
+            self._release_main_grads()  # the norm is a host float already: the check costs no sync
+            return False, grad_norm, None
         if self.config.clip_grad > 0.0:
             clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
         num_zeros = count_zeros_fp32(grads_for_norm, groups, self.device) if self.config.log_num_zeros_in_grad \

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d import parallel_state
+from parallel3d.distributed_timeout import waiting_for
 
 from .p2p import TensorSpec, Transfer, exchange
 from .schedules import Action, Schedule
@@ -270,7 +271,14 @@ class ScheduleExecutor:
                 transfers.append((a, Transfer("recv", peer, spec=self.output_specs[key])))
             if a.kind == "SEND_F":
                 transfers[-1][1].negotiate = self.variable
-        exchange([t for _, t in transfers], self.pipeline.group, self.device)
+        # A peer that never answers shows up here: name each transfer and its peer in the error.
+        def what() -> str:
+            return "pipeline transfer (" + ", ".join(
+                f"{a.kind} {a.microbatch}.{a.chunk} {'from' if t.op == 'recv' else 'to'} rank {t.peer}"
+                for a, t in transfers) + f") on stage {self.pipeline.stage}"
+
+        with waiting_for(what, [t.peer for _, t in transfers]):
+            exchange([t for _, t in transfers], self.pipeline.group, self.device)
         for a, t in transfers:
             key = (a.microbatch, a.chunk)
             if a.kind == "RECV_F":
