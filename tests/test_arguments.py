@@ -196,7 +196,9 @@ def test_script_prints_one_line_and_exits(argv, message, tmp_path):
 
 def test_every_rank_prints_the_schedule_error_once_and_no_traceback(tmp_path):
     """demo.py --train-iters 10 used to print 8 tracebacks "lr_warmup_steps (640) must be < lr_decay_steps (320)"."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", SCRIPT,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--monitor-interval", "5",  # every rank prints before torchrun stops the group after the first exit
+           SCRIPT,
            "--train-iters", "10", "--lr-warmup-iters", "20", "--global-batch-size", "32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PARALLEL3D_CACHE=str(tmp_path / "cache")))

@@ -191,6 +191,7 @@ def test_data_dtype_too_small_for_the_vocabulary(tmp_path, monkeypatch):
 
 def test_every_rank_reports_a_bad_layout():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--monitor-interval", "5",  # every rank prints before torchrun stops the group after the first exit
            os.path.join(ROOT, "examples", "pretrain_gpt.py"), "--pipeline-model-parallel-size", "3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode != 0
