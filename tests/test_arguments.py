@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -183,14 +182,13 @@ def test_script_prints_one_line_and_exits(argv, message, tmp_path):
         argv = [_corrupt_tokenizer(tmp_path) if a == "TOKENIZER" else a for a in argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", PARALLEL3D_CACHE=str(tmp_path / "cache"))
     env.pop("WORLD_SIZE", None)
-    start = time.monotonic()
+    # Refused before any work (no dataset built, below); how fast depends on how loaded the machine is
+    # (2-3 s idle, 20 s beside 12 test workers on a GPU machine): the timeout only bounds a hang.
     proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, timeout=60, env=env,
                           cwd=tmp_path)
-    elapsed = time.monotonic() - start
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode != 0
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
-    assert elapsed < 10, elapsed
     assert not (tmp_path / "cache").exists()  # refused before any work
 
 
