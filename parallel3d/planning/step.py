@@ -9,11 +9,12 @@ schedule repeats the same steady step per microbatch, so the makespan is affine 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from parallel3d.pipeline.schedules import build_schedule
+from parallel3d.pipeline.schedules import Schedule, build_schedule
 from parallel3d.pipeline.simulate import SimResult, simulate
 
 from .comm import Group, all_gather_time, all_reduce_time, group_of, p2p_time, reduce_scatter_time
@@ -106,8 +107,13 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> list[
     return out
 
 
+@functools.lru_cache(maxsize=32)
+def _schedule(name: str, P: int, M: int, V: int) -> Schedule:
+    return build_schedule(name, P, M, V)  # the search asks for the same few shapes again and again
+
+
 def _run(name: str, P: int, M: int, V: int, costs: list[list[tuple[float, float]]], comm: float) -> SimResult:
-    return simulate(build_schedule(name, P, M, V), comm_time=comm, stage_costs=costs)
+    return simulate(_schedule(name, P, M, V), comm_time=comm, stage_costs=costs)
 
 
 def simulate_pipeline(name: str, P: int, M: int, V: int, costs: list[list[tuple[float, float]]],
@@ -154,8 +160,12 @@ def _dp_time(model: ModelSpec, layout: Layout, cluster: ClusterSpec, rank: int, 
     return total
 
 
-def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> StepEstimate:
-    """Predict one training step of ``layout`` (raises ValueError for a layout that cannot run)."""
+def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec, breakdown: bool = True) -> StepEstimate:
+    """Predict one training step of ``layout`` (raises ValueError for a layout that cannot run).
+
+    ``breakdown=False`` skips the comm-free simulation that separates exposed p2p from the
+    bubble (pp_comm_s is then 0 and bubble_s includes it); the step time is the same.
+    """
     layout.check(model)
     warnings = []
     if layout.num_gpus > cluster.num_gpus:
@@ -173,7 +183,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> StepEsti
     across = P > 1 and layout.tp * layout.dp * P > cluster.gpus_per_node
     comm = p2p_time(cluster, act_bytes, across, layout.tp, layout.scatter_gather_p2p) if P > 1 else 0.0
     timing = simulate_pipeline(name, P, M, V, fb, comm)
-    no_comm = simulate_pipeline(name, P, M, V, fb, 0.0).makespan if comm > 0 else timing.makespan
+    no_comm = simulate_pipeline(name, P, M, V, fb, 0.0).makespan if comm > 0 and breakdown else timing.makespan
 
     ends = []
     for rank in range(P):
