@@ -2,9 +2,9 @@
 
 The pipeline part is ``parallel3d.pipeline.simulate`` run on ``build_schedule``'s schedule with
 per-(rank, chunk) forward/backward times; there is no bubble formula here.  Simulating tens of
-thousands of actions takes seconds, so for many microbatches we simulate two smaller counts
-M1 < M2 (multiples of PP, both past the warm-up) and extend linearly: past the warm-up every
-schedule repeats the same steady step per microbatch, so the makespan is affine in M
+thousands of actions takes seconds, so for many microbatches we simulate smaller counts
+M = 2s, 3s, ... (s a multiple of PP) until the increment per s microbatches stops changing, and
+extend linearly: once settled every schedule repeats the same steady step, so the makespan is affine in M
 (tests/test_planning.py checks the extension against full simulations).
 """
 from __future__ import annotations
@@ -123,9 +123,22 @@ def simulate_pipeline(name: str, P: int, M: int, V: int, costs: list[list[tuple[
     if 2 * P * M * V <= MAX_SIMULATED_ACTIONS:
         r = _run(name, P, M, V, costs, comm)
         return PipelineTiming(r.makespan, [tl[-1][1] for tl in r.timelines], busy, r.peak_inflight, r)
-    m1 = P * max(1, math.ceil(4 / P))  # one round of PP microbatches is already past the warm-up
-    m2 = 2 * m1
-    r1, r2 = _run(name, P, m1, V, costs, comm), _run(name, P, m2, V, costs, comm)
+    # Unequal stages take a few rounds of P microbatches to settle: simulate M = 2s, 3s, ...
+    # (s a multiple of P) until two successive increments agree, then extend from the last two.
+    step = P * max(1, math.ceil(4 / P))
+    runs = [(m, _run(name, P, m, V, costs, comm)) for m in (2 * step, 3 * step)]
+    while True:
+        (ma, ra), (mb, rb) = runs[-2], runs[-1]
+        mc = mb + step
+        if mc >= M:
+            r = _run(name, P, M, V, costs, comm)
+            return PipelineTiming(r.makespan, [tl[-1][1] for tl in r.timelines], busy, r.peak_inflight, r)
+        rc = _run(name, P, mc, V, costs, comm)
+        runs.append((mc, rc))
+        if all(math.isclose(c - b, b - a, rel_tol=1e-9, abs_tol=1e-12 * c) for a, b, c in zip(
+                [t[-1][1] for t in ra.timelines], [t[-1][1] for t in rb.timelines], [t[-1][1] for t in rc.timelines])):
+            break
+    (m1, r1), (m2, r2) = runs[-2], runs[-1]
 
     def extend(a: float, b: float) -> float:
         return b + (M - m2) * (b - a) / (m2 - m1)
