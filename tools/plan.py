@@ -106,7 +106,8 @@ def timeline(est: StepEstimate) -> str:
             f"(F/B = forward/backward of microbatch.chunk, '.' = idle):\n" + text_timeline(result))
 
 
-def report(est: StepEstimate, out=sys.stdout, draw: bool = True, force_timeline: bool = False) -> None:
+def report(est: StepEstimate, out=None, draw: bool = True, force_timeline: bool = False) -> None:
+    out = out or sys.stdout
     d = est.as_dict()
     print(f"layout {est.layout.describe(est.model)} on {est.layout.num_gpus} GPUs, schedule {d['schedule']}, "
           f"{d['num_microbatches']} microbatches", file=out)
