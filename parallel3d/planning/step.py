@@ -3,7 +3,7 @@
 The pipeline part is ``parallel3d.pipeline.simulate`` run on ``build_schedule``'s schedule with
 per-(rank, chunk) forward/backward times; there is no bubble formula here.  Simulating tens of
 thousands of actions takes seconds, so for many microbatches we simulate smaller counts
-M = 2s, 3s, ... (s a multiple of PP) until the increment per s microbatches stops changing, and
+M = s, 2s, 3s, ... (s a multiple of PP) until the increment per s microbatches stops changing, and
 extend linearly: once settled every schedule repeats the same steady step, so the makespan is affine in M
 (tests/test_planning.py checks the extension against full simulations).
 """
@@ -123,10 +123,10 @@ def simulate_pipeline(name: str, P: int, M: int, V: int, costs: list[list[tuple[
     if 2 * P * M * V <= MAX_SIMULATED_ACTIONS:
         r = _run(name, P, M, V, costs, comm)
         return PipelineTiming(r.makespan, [tl[-1][1] for tl in r.timelines], busy, r.peak_inflight, r)
-    # Unequal stages take a few rounds of P microbatches to settle: simulate M = 2s, 3s, ...
+    # Unequal stages take a few rounds of P microbatches to settle: simulate M = s, 2s, 3s, ...
     # (s a multiple of P) until two successive increments agree, then extend from the last two.
     step = P * max(1, math.ceil(4 / P))
-    runs = [(m, _run(name, P, m, V, costs, comm)) for m in (2 * step, 3 * step)]
+    runs = [(m, _run(name, P, m, V, costs, comm)) for m in (step, 2 * step)]
     while True:
         (ma, ra), (mb, rb) = runs[-2], runs[-1]
         mc = mb + step
