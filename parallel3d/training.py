@@ -270,15 +270,11 @@ def evaluate(forward_step_func: Callable, data_iterator: Sequence, model: list,
 
 def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
     """Model FLOPs of one iteration (Megatron's formula; causal attention counted as half)."""
-    h, L, s = args.hidden_size, args.num_layers, args.seq_length
-    heads = args.num_attention_heads
-    head_dim = args.kv_channels or h // heads
-    q = heads * head_dim
-    k = (args.num_query_groups or heads) * head_dim
-    f = args.ffn_hidden_size
-    g = 3 if args.swiglu else 2
-    vocab = args.padded_vocab_size
-    return 6 * batch_size * s * (L * (h * (q + 2 * k) + q * h + g * h * f) + h * vocab) + 6 * batch_size * s * s * L * q
+    from parallel3d.planning.model import num_floating_point_operations as flops  # the one copy of the formula
+    return flops(batch_size=batch_size, seq_length=args.seq_length, num_layers=args.num_layers,
+                 hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                 kv_channels=args.kv_channels, num_query_groups=args.num_query_groups,
+                 ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu, padded_vocab_size=args.padded_vocab_size)
 
 
 def peak_tflops(args: argparse.Namespace) -> Optional[float]:

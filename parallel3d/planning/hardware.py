@@ -1,0 +1,152 @@
+"""Cluster descriptions for the planner: GEMM efficiency curve, memory bandwidth, links, memory.
+
+Every number is an *achieved* rate (what a kernel or an NCCL collective really gets), not a
+datasheet peak, except ``GemmCurve.peak_tflops``, which only scales the curve.  Presets state
+where each number comes from; ``bench/calibrate_planner.py`` measures them on a GPU machine and
+writes a JSON file that ``load_cluster`` reads (``tools/plan.py --cluster-file``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class GemmCurve:
+    """Achieved GEMM throughput as a function of shape.
+
+    efficiency(m, n, k) = max_efficiency / (1 + half_dim * (1/m + 1/n + 1/k)): a small dimension
+    costs tile quantisation and too few waves, and this form makes peak/achieved LINEAR in
+    (1/m + 1/n + 1/k), so a handful of measured GEMMs fit it by least squares (``fit``).
+    """
+
+    peak_tflops: float  # dense bf16 datasheet peak; the MFU denominator
+    max_efficiency: float  # fraction of peak reached by very large GEMMs
+    half_dim: float  # a dimension this small costs a factor 2 on its own
+    wgrad_factor: float = 1.0  # weight-gradient GEMMs accumulate into fp32 main_grad: relative speed
+
+    def efficiency(self, m: float, n: float, k: float) -> float:
+        return self.max_efficiency / (1.0 + self.half_dim * (1.0 / m + 1.0 / n + 1.0 / k))
+
+    @classmethod
+    def fit(cls, points: list[tuple[int, int, int, float]], peak_tflops: float,
+            wgrad_factor: float = 1.0) -> "GemmCurve":
+        """Least-squares fit of peak/achieved = a + b * (1/m + 1/n + 1/k) to (m, n, k, TFLOP/s) points."""
+        if not points:
+            raise ValueError("GemmCurve.fit needs at least one measured GEMM")
+        xs = [1.0 / m + 1.0 / n + 1.0 / k for m, n, k, _ in points]
+        ys = [peak_tflops / t for *_, t in points]
+        if len(points) == 1 or max(xs) - min(xs) < 1e-12:
+            return cls(peak_tflops, 1.0 / (sum(ys) / len(ys)), 0.0, wgrad_factor)
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        b = max(b, 0.0)  # a curve that improves as shapes shrink is measurement noise
+        a = my - b * mx
+        return cls(peak_tflops, 1.0 / a, b / a, wgrad_factor)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One kind of GPU in nodes of ``gpus_per_node``, with the links between them."""
+
+    name: str
+    gpus_per_node: int
+    num_nodes: int
+    memory_gib: float  # usable device memory per GPU
+    gemm: GemmCurve
+    copy_gbs: float  # device-to-device copy, bytes read + written per second (elementwise passes)
+    attention_fwd_efficiency: float  # flash/SDPA causal attention, fraction of peak, forward
+    attention_bwd_efficiency: float  # and backward (2.5x the forward FLOPs)
+    intra_busbw_gbs: float  # NCCL bus bandwidth of ring collectives inside a node (NVLink)
+    intra_p2p_gbs: float  # one-direction point-to-point bandwidth inside a node
+    nic_gbs: float  # achieved inter-node bandwidth per GPU (one NIC per GPU), each direction
+    intra_latency_us: float = 10.0  # per ring step inside a node
+    inter_latency_us: float = 20.0  # per ring step across nodes
+    kernel_launch_us: float = 4.0  # per GEMM / elementwise kernel; matters for small shapes
+    context_gib: float = 2.0  # CUDA context, NCCL buffers, cuBLAS workspaces: outside max_memory_allocated
+    fragmentation: float = 0.10  # caching-allocator reserve over the allocated peak (see docs/planning.md)
+    notes: str = ""
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_node * self.num_nodes
+
+    def with_nodes(self, num_nodes: int) -> "ClusterSpec":
+        return dataclasses.replace(self, num_nodes=num_nodes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+def cluster_from_dict(d: dict) -> ClusterSpec:
+    d = dict(d)
+    gemm = d.pop("gemm")
+    if "points" in gemm:  # a calibration file: fit the curve from its measured GEMMs
+        curve = GemmCurve.fit([tuple(p) for p in gemm["points"]], gemm["peak_tflops"], gemm.get("wgrad_factor", 1.0))
+    else:
+        curve = GemmCurve(**gemm)
+    known = {f.name for f in dataclasses.fields(ClusterSpec)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown cluster fields {unknown}; known: {sorted(known)}")
+    return ClusterSpec(gemm=curve, **d)
+
+
+def load_cluster(path: str) -> ClusterSpec:
+    with open(path) as f:
+        return cluster_from_dict(json.load(f))
+
+
+# H100 SXM: 989.4 TFLOP/s dense bf16.  The 8192^3 bf16 GEMM measured 778-798 TFLOP/s here
+# (80% of peak); half_dim 150 also gives the measured 768 TFLOP/s of the [16384, 4096]^T x
+# [16384, 4096] weight-gradient GEMM (BENCHMARKS.md), max_efficiency then follows from 8192^3.
+# The fp32-accumulating weight-gradient GEMM ran at 666-768 vs ~790 TFLOP/s: wgrad_factor 0.9.
+_H100_GEMM = GemmCurve(peak_tflops=989.4, max_efficiency=0.84, half_dim=150.0, wgrad_factor=0.9)
+
+# A100 SXM 80GB: 312 TFLOP/s dense bf16/fp16.  SC21 prints no GEMM benchmark, only that its
+# best end-to-end runs reach 52% of peak (163 TFLOP/s).  ASSUMPTION: cuBLAS on A100 reaches the
+# same fraction of peak by shape as we measured on H100 (80% at 8192^3, ~250 TFLOP/s), so the A100
+# curve is the H100 curve scaled to 312.  ONE curve for all five models; nothing is fitted per row.
+_A100_GEMM = GemmCurve(peak_tflops=312.0, max_efficiency=0.84, half_dim=150.0, wgrad_factor=0.95)
+
+_H100_COMMON = dict(
+    memory_gib=79.1, gemm=_H100_GEMM,
+    copy_gbs=2960.0,  # measured device-to-device copy (BENCHMARKS.md)
+    attention_fwd_efficiency=0.32, attention_bwd_efficiency=0.26,  # SDPA flash (FA2: ~320 and ~260 TFLOP/s causal, hd 128)
+    intra_busbw_gbs=329.0,  # measured 2-GPU NVLink all-reduce of 1 GiB, bus bandwidth
+    intra_p2p_gbs=219.0,  # measured p2p each way (H200 machine, same NVLink 4)
+)
+
+PRESETS: dict[str, ClusterSpec] = {
+    "a100-80gb-sc21": ClusterSpec(
+        name="a100-80gb-sc21", gpus_per_node=8, num_nodes=384, memory_gib=80.0, gemm=_A100_GEMM,
+        copy_gbs=1700.0,  # 2.04 TB/s HBM2e at the ~83% a copy reaches
+        attention_fwd_efficiency=0.30, attention_bwd_efficiency=0.25,
+        intra_busbw_gbs=230.0,  # 600 GB/s NVLink = 300 GB/s each way; NCCL all-reduce reaches ~77%
+        intra_p2p_gbs=250.0,
+        nic_gbs=22.5,  # 8 x 200 Gb/s HDR per node = 25 GB/s per GPU, ~90% achieved
+        notes="SC21 (Narayanan et al. 2021) Selene: DGX A100 80GB, NVLink 3, 8 x HDR InfiniBand per node"),
+    "h100-sxm": ClusterSpec(name="h100-sxm", gpus_per_node=8, num_nodes=1, nic_gbs=45.0,
+                            notes="one 8-GPU H100 SXM node; link figures measured on 2 GPUs",
+                            **_H100_COMMON),
+    "h100-8x64": ClusterSpec(name="h100-8x64", gpus_per_node=8, num_nodes=64,
+                             nic_gbs=45.0,  # 8 x 400 Gb/s NDR per node = 50 GB/s per GPU, ~90% achieved
+                             notes="64 nodes of 8 H100 SXM, 8 x 400 Gb/s InfiniBand per node", **_H100_COMMON),
+    "h200": ClusterSpec(name="h200", gpus_per_node=8, num_nodes=1, nic_gbs=45.0,
+                        **{**_H100_COMMON, "memory_gib": 139.8, "copy_gbs": 4240.0, "intra_busbw_gbs": 325.0},
+                        notes="one 8-GPU H200 node: H100 compute, 141 GB HBM3e, copy 4.24 TB/s measured"),
+}
+PRESETS["h200-8x64"] = dataclasses.replace(PRESETS["h200"], name="h200-8x64", num_nodes=64,
+                                           notes="64 nodes of 8 H200, 8 x 400 Gb/s InfiniBand per node")
+
+
+def get_cluster(name: str) -> ClusterSpec:
+    if name not in PRESETS:
+        raise ValueError(f"unknown cluster {name!r}; presets: {', '.join(sorted(PRESETS))} (or --cluster-file)")
+    return PRESETS[name]
+
+
+__all__ = ["GIB", "GemmCurve", "ClusterSpec", "PRESETS", "get_cluster", "load_cluster", "cluster_from_dict"]

@@ -1,0 +1,116 @@
+"""Memory per GPU: parameters, gradients, optimizer states, activations, logits, allocator.
+
+Static bytes per parameter follow parallel3d's optimizers exactly (tests count them on real
+models): bf16 params (2) + fp32 main_grad buffer (4) + fp32 master (4) + Adam m, v (8), the last
+two divided by DP under the distributed optimizer (ZeRO-1); fp32 training keeps no master.
+Activations per layer and microbatch generalise Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", Table 2: sbh(34 + 5as/h) without parallelism) to
+GQA and SwiGLU; the number of microbatches held at once comes from the simulated schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .hardware import GIB, ClusterSpec
+from .model import Layout, ModelSpec
+
+# Peak bytes per logit element of one microbatch while the loss runs: the bf16 logits (2), their
+# fp32 copy (4), the shifted logits (4) and their exponentials (4) (parallel3d's vocab-parallel
+# cross-entropy keeps the softmax for the backward).
+LOGIT_BYTES = 14
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one GPU at its peak (what torch.cuda.max_memory_allocated reports)."""
+
+    params: float
+    grads: float
+    optimizer: float  # fp32 masters + Adam states
+    activations: float  # stored for backward by the in-flight microbatches
+    transient: float  # one layer's working set in backward, the loss's logits
+    inflight_microbatches: int
+
+    @property
+    def static(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        return self.static + self.activations + self.transient
+
+    def reserved(self, cluster: ClusterSpec) -> float:
+        """What the device must hold: the allocator's reserve over the peak plus the CUDA context."""
+        return self.peak * (1 + cluster.fragmentation) + cluster.context_gib * GIB
+
+    def fits(self, cluster: ClusterSpec) -> bool:
+        return self.reserved(cluster) <= cluster.memory_gib * GIB
+
+    def as_gib(self) -> dict:
+        d = {k: v / GIB for k, v in asdict(self).items() if k != "inflight_microbatches"}
+        d["peak"] = self.peak / GIB
+        d["inflight_microbatches"] = self.inflight_microbatches
+        return d
+
+
+def rank_chunks(model: ModelSpec, layout: Layout, rank: int) -> list[tuple[int, bool, bool]]:
+    """(layers, holds embedding, holds output layer) of each model chunk of pipeline rank ``rank``."""
+    P, V = layout.pp, layout.virtual_stages(model)
+    per = model.num_layers // (P * V)
+    last = P * V - 1
+    return [(per, c * P + rank == 0, c * P + rank == last) for c in range(V)]
+
+
+def params_on_rank(model: ModelSpec, layout: Layout, rank: int) -> int:
+    """Parameters of one TP rank of pipeline stage ``rank`` (every chunk it holds)."""
+    t, n = layout.tp, 0
+    for layers, first, last in rank_chunks(model, layout, rank):
+        n += layers * model.layer_params(t)
+        if first:
+            n += model.embedding_params(t)
+        if last:
+            n += model.head_params(t, holds_embedding=first)
+    return n
+
+
+def static_bytes(model: ModelSpec, layout: Layout, rank: int) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes of one GPU of pipeline stage ``rank``."""
+    n = params_on_rank(model, layout, rank)
+    shard = layout.dp if layout.use_distributed_optimizer else 1
+    master = 4 if layout.bf16 else 0
+    return n * (2 if layout.bf16 else 4), n * 4.0, n * (master + 8) / shard
+
+
+def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | None) -> float:
+    """Bytes one transformer layer keeps for its backward, per microbatch, on one TP rank."""
+    t, elem = layout.tp, 2 if layout.bf16 else 4
+    s, b, h = model.seq_length, layout.micro_batch_size, model.hidden_size
+    sp_div = t if layout.sequence_parallel else 1
+    if recompute == "full":
+        return s * b * h * elem / sp_div  # the layer's input only
+    mask = 1 if model.hidden_dropout > 0 else 0
+    # Not split by TP (unless SP): two norm inputs, the two norm outputs feeding QKV and FC1, two masks.
+    replicated = s * b * h * (4 * elem + 2 * mask) / sp_div
+    # Split by TP: Q, K, V; the attention output (projection input); FC1 output; FC2 input.
+    sharded = s * b * (model.q_size + 2 * model.kv_size + model.q_size + model.fc1_out + model.ffn) * elem / t
+    scores = 0.0
+    if model.attention_backend == "unfused" and recompute != "selective":
+        heads = model.num_attention_heads // t
+        scores = b * heads * s * s * (2 * elem + 1 if mask else elem)  # softmax out (+ dropout mask and out)
+    return replicated + sharded + scores
+
+
+def memory_breakdown(model: ModelSpec, layout: Layout, rank: int, inflight: int) -> MemoryBreakdown:
+    """Peak bytes of pipeline stage ``rank`` holding ``inflight`` (microbatch, chunk) forwards at once."""
+    params, grads, optim = static_bytes(model, layout, rank)
+    chunks = rank_chunks(model, layout, rank)
+    per_chunk = max(layers for layers, _, _ in chunks) * layer_activation_bytes(model, layout,
+                                                                                 layout.recompute_granularity)
+    activations = inflight * per_chunk
+    # In backward one layer is live in full (recomputed, or its activation gradients); on the
+    # last stage the loss's logits come first, at a different moment, so the larger one counts.
+    transient = layer_activation_bytes(model, layout, None)
+    if any(last for _, _, last in chunks):
+        tokens = layout.micro_batch_size * model.seq_length
+        transient = max(transient, tokens * model.vocab(layout.tp) // layout.tp * LOGIT_BYTES)
+    return MemoryBreakdown(params, grads, optim, activations, transient, inflight)

@@ -1,0 +1,242 @@
+"""Model and layout descriptions (Megatron's argument names), parameter counts and FLOPs.
+
+The parameter counts follow models/gpt.py layer by layer (tests/test_planning.py checks them
+against real models); ``num_floating_point_operations`` is Megatron's FLOPs formula, the one
+``parallel3d.training`` reports.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+RECOMPUTE_CHOICES = (None, "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT/LLaMA model, named as Megatron's arguments are."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    num_query_groups: Optional[int] = None  # None: as many as heads (no GQA)
+    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size (Megatron's default)
+    kv_channels: Optional[int] = None  # None: hidden_size // num_attention_heads
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    normalization: str = "LayerNorm"  # or "RMSNorm" (weight only)
+    position_embedding_type: str = "learned_absolute"  # or "rope" (no parameters)
+    untie_embeddings_and_output_weights: bool = False
+    max_position_embeddings: Optional[int] = None  # None: seq_length
+    make_vocab_size_divisible_by: int = 128
+    padded_vocab_size: Optional[int] = None  # given: used as is, whatever the TP size
+    hidden_dropout: float = 0.0  # > 0 keeps 1-byte masks per dropout for backward
+    attention_backend: str = "flash"  # "flash" (SDPA) or "unfused" (scores in memory, SC21-era)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(f"--num-attention-heads ({self.num_attention_heads}) must be a multiple of "
+                             f"--num-query-groups ({self.query_groups})")
+        if self.attention_backend not in ("flash", "unfused"):
+            raise ValueError(f"attention_backend must be 'flash' or 'unfused', got {self.attention_backend!r}")
+
+    @classmethod
+    def from_args(cls, args, **overrides) -> "ModelSpec":
+        """From parallel3d's (Megatron's) parsed arguments, e.g. those bench/gpt_bench.py builds."""
+        get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+        fields = dict(
+            num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+            seq_length=args.seq_length, vocab_size=args.vocab_size, num_query_groups=get("num_query_groups"),
+            ffn_hidden_size=get("ffn_hidden_size"), kv_channels=get("kv_channels"), swiglu=bool(get("swiglu")),
+            add_bias_linear=not get("disable_bias_linear", False), normalization=get("normalization", "LayerNorm"),
+            position_embedding_type=get("position_embedding_type", "learned_absolute"),
+            untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
+            max_position_embeddings=get("max_position_embeddings"),
+            make_vocab_size_divisible_by=get("make_vocab_size_divisible_by", 128),
+            padded_vocab_size=get("padded_vocab_size"), hidden_dropout=get("hidden_dropout", 0.0) or 0.0)
+        fields.update(overrides)
+        return cls(**fields)
+
+    # Derived sizes (per whole model, before TP).
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.query_groups * self.head_dim
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def fc1_out(self) -> int:
+        """Width of the first MLP GEMM: [gate; up] under SwiGLU."""
+        return 2 * self.ffn if self.swiglu else self.ffn
+
+    def vocab(self, tp: int) -> int:
+        """The padded vocabulary (Megatron pads to a multiple of make_vocab_size_divisible_by * TP)."""
+        if self.padded_vocab_size:
+            return self.padded_vocab_size
+        multiple = self.make_vocab_size_divisible_by * tp
+        return (self.vocab_size + multiple - 1) // multiple * multiple
+
+    # Parameter counts on one tensor-parallel rank.
+    def layer_params(self, tp: int) -> int:
+        h, bias = self.hidden_size, self.add_bias_linear
+        norm = h if self.normalization == "RMSNorm" else 2 * h
+        qkv = (self.q_size + 2 * self.kv_size) // tp
+        n = 2 * norm
+        n += qkv * h + (qkv if bias else 0)  # linear_qkv, column-parallel
+        n += h * self.q_size // tp + (h if bias else 0)  # linear_proj, row-parallel: bias replicated
+        n += self.fc1_out // tp * h + (self.fc1_out // tp if bias else 0)
+        n += h * self.ffn // tp + (h if bias else 0)
+        return n
+
+    def embedding_params(self, tp: int) -> int:
+        pos = (self.max_position_embeddings or self.seq_length) if self.position_embedding_type == \
+            "learned_absolute" else 0
+        return (self.vocab(tp) // tp + pos) * self.hidden_size
+
+    def head_params(self, tp: int, holds_embedding: bool) -> int:
+        """Final norm plus the output layer (a tied one is a second copy unless this chunk holds the embedding)."""
+        norm = self.hidden_size if self.normalization == "RMSNorm" else 2 * self.hidden_size
+        tied_here = not self.untie_embeddings_and_output_weights and holds_embedding
+        return norm + (0 if tied_here else self.vocab(tp) // tp * self.hidden_size)
+
+    def total_params(self) -> int:
+        """The whole model, counted once (tied embedding once)."""
+        return (self.num_layers * self.layer_params(1) + self.embedding_params(1)
+                + self.head_params(1, holds_embedding=True))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model: TP x PP (x V) x DP, micro-batch, recompute, optimizer."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    data_parallel_size: int = 1
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    recompute_granularity: Optional[str] = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    bf16: bool = True  # bf16 params, fp32 main_grad and masters; False: fp32 everything
+    scatter_gather_p2p: bool = False  # SC21's pipeline send of 1/TP per rank + all-gather inside the node
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def dp(self) -> int:
+        return self.data_parallel_size
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def virtual_stages(self, model: ModelSpec) -> int:
+        if not self.num_layers_per_virtual_pipeline_stage:
+            return 1
+        return model.num_layers // (self.pp * self.num_layers_per_virtual_pipeline_stage)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def schedule_name(self, model: ModelSpec) -> str:
+        """What parallel3d (and Megatron) run for this layout."""
+        if self.pp == 1:
+            return "no-pipelining"
+        return "interleaved-1f1b" if self.virtual_stages(model) > 1 else "1f1b"
+
+    def describe(self, model: ModelSpec) -> str:
+        v = self.virtual_stages(model)
+        parts = [f"TP={self.tp}", f"PP={self.pp}"] + ([f"V={v}"] if v > 1 else []) + [
+            f"DP={self.dp}", f"mbs={self.micro_batch_size}", f"recompute={self.recompute_granularity or 'none'}"]
+        if self.sequence_parallel:
+            parts.append("SP")
+        if self.use_distributed_optimizer:
+            parts.append("ZeRO-1")
+        return " ".join(parts)
+
+    def check(self, model: ModelSpec) -> None:
+        """Raise ValueError naming the first reason this layout cannot run (Megatron's rules)."""
+        if min(self.tp, self.pp, self.dp, self.micro_batch_size, self.global_batch_size) < 1:
+            raise ValueError("parallel sizes and batch sizes must be >= 1")
+        if self.recompute_granularity not in RECOMPUTE_CHOICES:
+            raise ValueError(f"--recompute-granularity must be selective or full, got {self.recompute_granularity!r}")
+        if model.num_attention_heads % self.tp or model.query_groups % self.tp:
+            raise ValueError(f"--tensor-model-parallel-size {self.tp} must divide --num-attention-heads "
+                             f"({model.num_attention_heads}) and --num-query-groups ({model.query_groups})")
+        if model.ffn % self.tp:
+            raise ValueError(f"--tensor-model-parallel-size {self.tp} must divide --ffn-hidden-size ({model.ffn})")
+        if self.global_batch_size % (self.micro_batch_size * self.dp):
+            raise ValueError(f"--global-batch-size {self.global_batch_size} must be a multiple of "
+                             f"--micro-batch-size x DP = {self.micro_batch_size} x {self.dp}")
+        if model.num_layers % self.pp:
+            raise ValueError(f"--num-layers {model.num_layers} must be a multiple of "
+                             f"--pipeline-model-parallel-size {self.pp}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.num_layers_per_virtual_pipeline_stage:
+            per = self.num_layers_per_virtual_pipeline_stage
+            if self.pp < 2 or model.num_layers % (self.pp * per):
+                raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per} needs PP >= 2 and --num-layers "
+                                 f"({model.num_layers}) a multiple of PP x {per}")
+            if self.virtual_stages(model) > 1 and self.num_microbatches % self.pp:
+                raise ValueError(f"the interleaved schedule needs the number of microbatches "
+                                 f"({self.num_microbatches}) to be a multiple of PP ({self.pp})")
+
+
+def num_floating_point_operations(*, batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
+                                  num_attention_heads: int, kv_channels: Optional[int],
+                                  num_query_groups: Optional[int], ffn_hidden_size: int, swiglu: bool,
+                                  padded_vocab_size: int) -> float:
+    """Model FLOPs of one iteration (Megatron's formula; causal attention counted as half)."""
+    h, L, s = hidden_size, num_layers, seq_length
+    head_dim = kv_channels or h // num_attention_heads
+    q = num_attention_heads * head_dim
+    k = (num_query_groups or num_attention_heads) * head_dim
+    g = 3 if swiglu else 2
+    return (6 * batch_size * s * (L * (h * (q + 2 * k) + q * h + g * h * ffn_hidden_size) + h * padded_vocab_size)
+            + 6 * batch_size * s * s * L * q)
+
+
+def model_flops(model: ModelSpec, batch_size: int, tp: int = 1) -> float:
+    return num_floating_point_operations(
+        batch_size=batch_size, seq_length=model.seq_length, num_layers=model.num_layers,
+        hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads, kv_channels=model.kv_channels,
+        num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn, swiglu=model.swiglu,
+        padded_vocab_size=model.vocab(tp))
+
+
+def sc21_flops(model: ModelSpec, batch_size: int) -> float:
+    """SC21's FLOPs per iteration (its eq. 3): full recompute counted, attention NOT halved.
+
+    96 B s l h^2 (1 + s / (6h) + V / (16 l h)); SC21's Table 1 TFLOP/s use this count.
+    """
+    B, s, l, h, V = batch_size, model.seq_length, model.num_layers, model.hidden_size, model.vocab(1)
+    return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))

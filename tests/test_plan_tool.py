@@ -1,0 +1,57 @@
+"""tools/plan.py: search, evaluate, --json, and one clear line for a bad layout."""
+import json
+import os
+import subprocess
+import sys
+
+from tools import plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+       "--vocab-size", "50257"]
+
+
+def test_search_json_lists_fitting_layouts_fastest_first(capsys):
+    assert plan.main(GPT + ["--global-batch-size", "64", "--cluster", "h100-sxm", "--json", "--top", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    layouts = out["layouts"]
+    assert out["num_gpus"] == 8 and 1 <= len(layouts) <= 3
+    for d in layouts:
+        assert d["fits"] and d["num_gpus"] == 8
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+                    "step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "peak_memory_gb"):
+            assert key in d
+    assert [d["step_time_s"] for d in layouts] == sorted(d["step_time_s"] for d in layouts)
+
+
+def test_evaluate_mode_prints_breakdowns_and_the_timeline(capsys):
+    argv = GPT + ["--global-batch-size", "32", "--micro-batch-size", "4", "--pipeline-model-parallel-size", "2",
+                  "--num-layers-per-virtual-pipeline-stage", "6", "--num-gpus", "2", "--cluster", "h200"]
+    assert plan.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "TP=1 PP=2 V=2 DP=1 mbs=4" in text and "interleaved-1f1b" in text
+    assert "step breakdown" in text and "bubble" in text and "memory stage 1" in text
+    assert "rank 1" in text and "F0.1" in text  # the text timeline of the simulated schedule
+
+
+def test_evaluate_json_has_one_layout(capsys):
+    argv = GPT + ["--global-batch-size", "32", "--micro-batch-size", "4", "--tensor-model-parallel-size", "2",
+                  "--sequence-parallel", "--num-gpus", "4", "--json"]
+    assert plan.main(argv) == 0
+    (d,) = json.loads(capsys.readouterr().out)["layouts"]
+    assert (d["tensor_model_parallel_size"], d["data_parallel_size"], d["num_microbatches"]) == (2, 2, 4)
+
+
+def test_bad_layout_is_one_clear_line():
+    argv = GPT + ["--global-batch-size", "32", "--tensor-model-parallel-size", "3", "--num-gpus", "6"]
+    r = subprocess.run([sys.executable, "tools/plan.py"] + argv, cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--tensor-model-parallel-size 3 must divide --num-attention-heads" in lines[0]
+
+
+def test_unknown_cluster_is_one_clear_line(capsys):
+    assert plan.main(GPT + ["--global-batch-size", "32", "--cluster", "tpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown cluster 'tpu'" in err[0]

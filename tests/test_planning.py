@@ -1,0 +1,148 @@
+"""The planner's cost model (parallel3d/planning): memory against real models, ranking
+invariants, the simulator extension, and SC21's published Table 1 within 15%."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from gpt_harness import layout_args, train
+from parallel3d.planning import GemmCurve, Layout, ModelSpec, estimate, get_cluster, load_cluster
+from parallel3d.planning.hardware import cluster_from_dict
+from parallel3d.planning.memory import static_bytes
+from parallel3d.planning.model import num_floating_point_operations
+from parallel3d.planning.sc21 import TABLE_1, figure_12, reproduce
+from parallel3d.planning.search import candidates, search
+from parallel3d.planning.step import _run, simulate_pipeline
+
+GPT_1_3B = ModelSpec(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=50257)
+H100 = get_cluster("h100-sxm")
+
+
+def _storage_bytes(tensors, exclude=()) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    for ptr in exclude:
+        seen.pop(ptr, None)
+    return sum(seen.values())
+
+
+def _allocated(result):
+    """(params, grads, optimizer) bytes the real library allocated for one process."""
+    chunks, opt = result["model"], result["optimizer"]
+    params = [p for c in chunks for p in c.module.parameters()]
+    grads = [buf.grad_data for c in chunks for buf in c.param_and_grad_buffers]
+    owned = {t.untyped_storage().data_ptr() for t in params + grads}
+    states = [t for st in opt.optimizer.state.values() for k, t in st.items() if k != "step"]
+    return (_storage_bytes(params), _storage_bytes(grads),
+            _storage_bytes(list(opt._main_params()) + states, exclude=owned))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("extra", [["--bf16"], ["--bf16", "--use-distributed-optimizer"], []],
+                         ids=["bf16", "bf16-zero1", "fp32"])
+def test_static_memory_matches_the_real_optimizers(family, extra):
+    args = layout_args(family, extra=extra, iters=2)
+    result = train(args)  # two Adam steps: every state tensor exists
+    model = ModelSpec.from_args(args)
+    assert model.total_params() == sum(p.numel() for p in result["model"][0].module.parameters())
+    zero = "--use-distributed-optimizer" in extra
+    layout = Layout(use_distributed_optimizer=zero, bf16="--bf16" in extra, global_batch_size=args.global_batch_size)
+    predicted = static_bytes(model, layout, 0)
+    measured = _allocated(result)
+    if not zero:
+        assert measured == tuple(int(x) for x in predicted)
+    else:  # ZeRO pads each bucket to a multiple of 64 x DP elements; the model ignores that padding
+        buckets = sum(len(b.buckets) for c in result["model"] for b in c.param_and_grad_buffers)
+        for got, want, per_elem in zip(measured, predicted, (2, 4, 4)):
+            assert want <= got <= want + buckets * 64 * per_elem
+
+
+def test_flops_formula_is_megatrons():
+    # GPT-1.3B, batch 16: 6 B s (L (12 h^2) + h V) + 6 B s^2 L h (causal attention counted as half).
+    b, s, L, h, V = 16, 2048, 24, 2048, 50304
+    expected = 6 * b * s * (L * 12 * h * h + h * V) + 6 * b * s * s * L * h
+    got = num_floating_point_operations(batch_size=b, seq_length=s, num_layers=L, hidden_size=h,
+                                        num_attention_heads=16, kv_channels=None, num_query_groups=None,
+                                        ffn_hidden_size=4 * h, swiglu=False, padded_vocab_size=V)
+    assert got == expected
+
+
+def test_gemm_curve_fit_recovers_its_parameters():
+    curve = GemmCurve(peak_tflops=989.4, max_efficiency=0.8, half_dim=120.0)
+    shapes = [(8192, 8192, 8192), (4096, 4096, 16384), (16384, 2048, 2048), (2048, 1024, 8192)]
+    points = [(m, n, k, curve.efficiency(m, n, k) * 989.4) for m, n, k in shapes]
+    fit = GemmCurve.fit(points, 989.4)
+    assert fit.max_efficiency == pytest.approx(0.8, rel=1e-9) and fit.half_dim == pytest.approx(120.0, rel=1e-6)
+
+
+def test_cluster_file_round_trip(tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(H100.to_json())
+    assert load_cluster(str(path)) == H100
+    with pytest.raises(ValueError, match="unknown cluster fields"):
+        cluster_from_dict({**dataclasses.asdict(H100), "gpus": 3})
+
+
+@pytest.mark.parametrize("name,P,M,V", [("1f1b", 4, 64, 1), ("1f1b", 8, 96, 1), ("interleaved-1f1b", 4, 64, 2),
+                                      ("no-pipelining", 1, 900, 1)])
+def test_linear_extension_equals_the_full_simulation(name, P, M, V, monkeypatch):
+    costs = [[(1.0 + 0.2 * (r == P - 1), 2.1 + 0.3 * (r == 0)) for _ in range(V)] for r in range(P)]
+    full = _run(name, P, M, V, costs, 0.05)
+    monkeypatch.setattr("parallel3d.planning.step.MAX_SIMULATED_ACTIONS", 10)
+    ext = simulate_pipeline(name, P, M, V, costs, 0.05)
+    assert ext.makespan == pytest.approx(full.makespan, rel=1e-9)
+    assert ext.finish == pytest.approx([tl[-1][1] for tl in full.timelines], rel=1e-9)
+    assert ext.peak_inflight == full.peak_inflight
+
+
+def test_more_gpus_never_lower_total_throughput():
+    for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
+        totals = []
+        for dp in (1, 2, 4, 8):
+            layout = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp,
+                            micro_batch_size=2, global_batch_size=128, sequence_parallel=tp > 1)
+            est = estimate(GPT_1_3B, layout, get_cluster("h100-8x64"))
+            totals.append(est.tokens_per_s_per_gpu * layout.num_gpus)
+        assert totals == sorted(totals), (tp, pp, totals)
+
+
+def test_recompute_lowers_memory_and_raises_time():
+    base = Layout(pipeline_model_parallel_size=2, micro_batch_size=4, global_batch_size=32)
+    runs = [estimate(GPT_1_3B, dataclasses.replace(base, recompute_granularity=rc), H100)
+            for rc in (None, "full")]
+    assert runs[1].peak_memory_gib < runs[0].peak_memory_gib
+    assert runs[1].step_time_s > runs[0].step_time_s
+    unfused = dataclasses.replace(GPT_1_3B, attention_backend="unfused")
+    sel = [estimate(unfused, dataclasses.replace(base, recompute_granularity=rc), H100) for rc in (None, "selective")]
+    assert sel[1].peak_memory_gib < sel[0].peak_memory_gib and sel[1].step_time_s > sel[0].step_time_s
+
+
+def test_search_ranks_only_fitting_layouts_and_finds_the_true_best():
+    small = dataclasses.replace(H100, memory_gib=30.0)
+    base = Layout(global_batch_size=32)
+    found = search(GPT_1_3B, small, 8, base, top=3, micro_batch_sizes=(1, 4))
+    assert found.best and all(e.fits for e in found.best)
+    assert [e.step_time_s for e in found.best] == sorted(e.step_time_s for e in found.best)
+    everything = [estimate(GPT_1_3B, layout, small) for layout in candidates(GPT_1_3B, small, 8, base, (1, 4))]
+    fitting = sorted(e.step_time_s for e in everything if e.fits)
+    assert [e.step_time_s for e in found.best] == pytest.approx(fitting[:3])
+    assert any(not e.fits for e in everything)  # the small card really excluded some
+
+
+@pytest.mark.parametrize("row", TABLE_1, ids=[r.name for r in TABLE_1])
+def test_sc21_table_1_within_15_percent(row):
+    est, tflops = reproduce(row)
+    assert est.fits
+    assert abs(tflops / row.published_tflops - 1) <= 0.15, f"{row.name}: {tflops:.1f} vs {row.published_tflops}"
+
+
+def test_sc21_figure_12_interleaving_gap_shrinks_with_batch():
+    rows = figure_12()
+    gaps = [inter / plain for _, inter, plain in rows]
+    assert all(g > 1 for g in gaps)  # interleaved is faster at every batch size
+    assert gaps == sorted(gaps, reverse=True) and gaps[-1] < gaps[0]
+    assert all(math.isfinite(x) for row in rows for x in row)
