@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import pretrain_gpt  # noqa: E402
 
-from parallel3d import parallel_state  # noqa: E402
+from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
 from parallel3d.arguments import parse_args, validate_args  # noqa: E402
 from parallel3d.distributed import get_megatron_optimizer  # noqa: E402
@@ -133,6 +133,7 @@ def nccl_overlap(prof) -> dict:
 def main(argv=None) -> None:
     bench, args = bench_args(argv)
     initialize_distributed(args)
+    fused_kernels = fused.describe()
     config = pretrain_gpt.transformer_config_from_args(args)
     args.ffn_hidden_size = config.ffn_hidden_size
     partition = pretrain_gpt.layer_partition(args)
@@ -162,7 +163,8 @@ def main(argv=None) -> None:
     tflops = num_floating_point_operations(args, args.global_batch_size) / step / world / 1e12
     peak = peak_tflops(args)
     result = {
-        "framework": "parallel3d", "preset": bench.preset, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "framework": "parallel3d", "fused_kernels": fused_kernels, "preset": bench.preset,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "world_size": world, "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
         "vpp": args.virtual_pipeline_model_parallel_size, "dp": args.data_parallel_size,
         "sequence_parallel": args.sequence_parallel, "global_batch_size": args.global_batch_size,

@@ -1,6 +1,6 @@
 """Time parallel3d's fused CUDA kernels against torch eager, torch.compile and Liger-Kernel.
 
-    PARALLEL3D_JIT=1 python3 bench/kernels_bench.py [--out bench.md] [--quick] [--only norm,rope]
+    python3 bench/kernels_bench.py [--out bench.md] [--quick] [--only norm,rope]
 
 For every op, at real sizes in bf16, forward and backward are timed separately
 (median of triton.testing.do_bench, CUDA events).  Backward is
@@ -296,7 +296,7 @@ def main() -> None:
     elif not torch.cuda.is_available() or do_bench is None:
         sys.exit("kernels_bench: needs a CUDA device and triton")
     elif _ext.get_ext() is None:
-        sys.exit(f"kernels_bench: CUDA extension unavailable ({_ext.load_error()}); set PARALLEL3D_JIT=1 or pip install -e .")
+        sys.exit(f"kernels_bench: CUDA extension unavailable ({_ext.load_error()})")
 
     def log(msg):
         print(msg, flush=True)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from models import GPTModel, TransformerConfig  # noqa: E402
-from parallel3d import parallel_state  # noqa: E402
+from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
 from parallel3d.data import (  # noqa: E402
     IndexedDatasetBuilder,
@@ -234,6 +234,7 @@ def _train(args: argparse.Namespace, tokenizer, config: TransformerConfig, parti
                  f"{args.pipeline_model_parallel_size} (virtual {args.virtual_pipeline_model_parallel_size or 1}) x "
                  f"DP {args.data_parallel_size}; {args.num_microbatches} microbatches of {args.micro_batch_size}; "
                  f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
+    print_rank_0(fused.describe())  # every rank loads (or the node's first builds) the kernels here
 
     def datasets_provider(num_samples):
         return build_train_valid_test_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,

@@ -1,12 +1,13 @@
 """Fused CUDA kernels with PyTorch fallbacks.
 
-Each op runs its CUDA kernel when the extension (parallel3d._C, or a JIT build
-with PARALLEL3D_JIT=1) is available, its tensors are on CUDA and fusion is on;
-otherwise it runs plain PyTorch.  Nothing is compiled or loaded at import time.
+Each op runs its CUDA kernel when the extension (parallel3d._C, or a JIT build on
+first use where nvcc exists; PARALLEL3D_JIT=0 turns that off) is available, its tensors
+are on CUDA and fusion is on; otherwise it runs plain PyTorch.  Nothing is compiled or
+loaded at import time; ``describe()`` says what a process runs.
 Turn the kernels off with ``set_fusion_enabled(False)`` or
 ``PARALLEL3D_DISABLE_FUSION=1``.
 """
-from parallel3d.fused._ext import fusion_enabled, set_fusion_enabled
+from parallel3d.fused._ext import describe, fusion_enabled, set_fusion_enabled
 from parallel3d.fused.bias_dropout_add import bias_dropout_add
 from parallel3d.fused.bias_gelu import bias_gelu
 from parallel3d.fused.bias_swiglu import bias_swiglu
@@ -22,6 +23,7 @@ __all__ = [
     "bias_dropout_add",
     "bias_gelu",
     "bias_swiglu",
+    "describe",
     "fusion_enabled",
     "layer_norm",
     "rms_norm",

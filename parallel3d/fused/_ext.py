@@ -1,27 +1,31 @@
 """Loader for the CUDA extension and the global fusion switch.
 
-The extension is looked up lazily, the first time a wrapper sees CUDA tensors,
-so importing parallel3d on a CPU machine never touches a compiler or a GPU:
+The extension is looked up lazily, the first time a wrapper sees CUDA tensors (a training
+script asks once at start, see :func:`describe`), so importing parallel3d on a CPU machine
+never touches a compiler or a GPU:
 
 1. ``import parallel3d._C`` (built by ``pip install -e . --no-build-isolation``
    on a machine with CUDA);
-2. else, if ``PARALLEL3D_JIT=1`` and torch has CUDA and nvcc is found, build
-   csrc/ with ``torch.utils.cpp_extension.load`` into
-   ``~/.cache/parallel3d/jit-<key>`` (key: sources, torch and CUDA versions,
-   target archs), so later processes reuse the build;
-3. else None, and every wrapper runs its PyTorch implementation.
+2. else, where torch has CUDA and nvcc is found, build csrc/ with
+   ``torch.utils.cpp_extension.load`` into ``~/.cache/parallel3d/jit-<key>`` (key: sources,
+   torch and CUDA versions, target archs), so later processes reuse the build. The first
+   process of a node to get there builds under an exclusive file lock while the others wait
+   for it, then load the finished build. ``PARALLEL3D_JIT=0`` turns this step off;
+3. else None, and every wrapper runs its PyTorch implementation (:func:`describe` says why).
 
 ``set_fusion_enabled(False)`` or ``PARALLEL3D_DISABLE_FUSION=1`` turns the
 kernels off without unloading anything.
 """
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import os
 import sys
 import threading
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -86,17 +90,37 @@ def _jit_build() -> ModuleType:
             h.update(os.path.basename(path).encode() + f.read())
     h.update(f"{torch.__version__}|{torch.version.cuda}|{arch}".encode())
     build_dir = os.path.join(os.path.expanduser("~"), ".cache", "parallel3d", f"jit-{h.hexdigest()[:16]}")
+
+    def build() -> ModuleType:
+        if not os.path.exists(os.path.join(build_dir, "parallel3d_C.so")):
+            print(f"parallel3d: building CUDA kernels into {build_dir} (first use only)", file=sys.stderr)
+        return load(
+            name="parallel3d_C",
+            sources=sources,
+            build_directory=build_dir,
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"],
+            extra_include_paths=[_CSRC] + _cuda_include_dirs(),
+            verbose=os.environ.get("PARALLEL3D_JIT_VERBOSE") == "1",
+        )
+
+    return one_at_a_time(build_dir, build)
+
+
+def one_at_a_time(build_dir: str, build: Callable[[], ModuleType]) -> ModuleType:
+    """Run ``build`` under an exclusive lock on a file in ``build_dir``: the first process of the node
+    builds, the others wait and then only load the finished build (ninja finds it up to date).
+
+    flock, not a lock file: the kernel releases it when its holder dies, so a rank killed mid-build
+    cannot leave the others waiting on a stale lock.
+    """
     os.makedirs(build_dir, exist_ok=True)
-    print(f"parallel3d: building CUDA kernels into {build_dir} (first use only)", file=sys.stderr)
-    return load(
-        name="parallel3d_C",
-        sources=sources,
-        build_directory=build_dir,
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"],
-        extra_include_paths=[_CSRC] + _cuda_include_dirs(),
-        verbose=os.environ.get("PARALLEL3D_JIT_VERBOSE") == "1",
-    )
+    with open(os.path.join(build_dir, "parallel3d_build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return build()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def get_ext() -> ModuleType | None:
@@ -113,7 +137,9 @@ def get_ext() -> ModuleType | None:
             _ext = _C
         except ImportError as e:
             _ext_error = f"parallel3d._C is not installed ({e})"
-            if os.environ.get("PARALLEL3D_JIT") == "1":
+            if os.environ.get("PARALLEL3D_JIT") == "0":
+                _ext_error += "; PARALLEL3D_JIT=0 turned the JIT build off"
+            else:
                 try:
                     _ext = _jit_build()
                     _ext_error = None
@@ -132,3 +158,22 @@ def use_kernel(*tensors: torch.Tensor | None) -> bool:
     if not present or not all(t.is_cuda for t in present):
         return False
     return get_ext() is not None
+
+
+def describe() -> str:
+    """One line for a run's log: whether this process runs the fused kernels, and if not, why.
+
+    On a GPU process this loads (or builds, on first use) the extension, so the build happens at
+    start-up rather than inside the first step.
+    """
+    from parallel3d.device import uses_cuda
+
+    if not uses_cuda():
+        return "fused kernels: off (this process computes on the CPU: PyTorch implementations)"
+    if not _fusion_enabled:
+        return "fused kernels: off (PARALLEL3D_DISABLE_FUSION=1 or set_fusion_enabled(False))"
+    ext = get_ext()
+    if ext is None:
+        return f"fused kernels: off, PyTorch fallbacks run instead ({_ext_error})"
+    origin = "installed parallel3d._C" if getattr(ext, "__name__", "") == "parallel3d._C" else "JIT build"
+    return f"fused kernels: on ({origin}, {getattr(ext, '__file__', '?')})"
