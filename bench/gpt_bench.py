@@ -96,7 +96,7 @@ def bench_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
 
 def synthetic_iterator(args: argparse.Namespace):
     """Random tokens in the dataset's item format, generated on the device (no loader in the timing)."""
-    g = torch.Generator(device=default_device()).manual_seed(1234 + parallel_state.get_data_parallel_rank())
+    g = torch.Generator(device=default_device()).manual_seed(1234 + parallel_state.resolve_parallel_state().data_parallel_rank)
     b, s = args.micro_batch_size, args.seq_length
     positions = torch.arange(s, device=default_device()).expand(b, s)
     mask = torch.ones(b, s, device=default_device())

@@ -87,16 +87,11 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 def get_model(model_provider: Callable[..., torch.nn.Module], args: argparse.Namespace
               ) -> list[DistributedDataParallel]:
     """Build this rank's model chunks (one per virtual stage) and wrap each in DDP."""
-    vp = args.virtual_pipeline_model_parallel_size or 1
+    state = parallel_state.resolve_parallel_state()
     chunks = []
-    for c in range(vp):
-        if args.virtual_pipeline_model_parallel_size is not None:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(c)
-        pre = parallel_state.is_pipeline_first_stage(vp_stage=c)
-        post = parallel_state.is_pipeline_last_stage(vp_stage=c)
+    for c in range(args.virtual_pipeline_model_parallel_size or 1):
+        pre, post = state.is_pipeline_first_stage(vp_stage=c), state.is_pipeline_last_stage(vp_stage=c)
         chunks.append(model_provider(pre_process=pre, post_process=post, vp_stage=c))
-    if args.virtual_pipeline_model_parallel_size is not None:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.bf16 or args.fp16,
         overlap_grad_reduce=args.overlap_grad_reduce,
@@ -155,8 +150,8 @@ def build_data_iterators(datasets_provider: Callable, args: argparse.Namespace, 
     num_samples = (args.train_iters * args.global_batch_size, eval_runs * args.global_batch_size,
                    args.eval_iters * args.global_batch_size)
     train_ds, valid_ds, test_ds = datasets_provider(num_samples)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
+    state = parallel_state.resolve_parallel_state()
+    dp_rank, dp_size = state.data_parallel_rank, state.data_parallel_size
 
     def loader(ds, consumed):
         return build_pretraining_data_loader(ds, consumed, args.micro_batch_size, dp_rank, dp_size,
@@ -210,9 +205,7 @@ def _as_tensor(x: Any, dev: torch.device) -> torch.Tensor:
 
 def _group_ranks(kind: str) -> list[int]:
     """This rank's group of ``kind`` (tp, pp, dp, mp) as global ranks, for error messages."""
-    if not parallel_state.model_parallel_is_initialized():
-        return [dist.get_rank() if dist.is_initialized() else 0]
-    return list(parallel_state.get_parallel_state().group_ranks[kind])
+    return list(parallel_state.resolve_parallel_state().group_ranks[kind])
 
 
 def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list, optimizer: Any,

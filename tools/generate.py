@@ -96,9 +96,8 @@ def load_model(load_dir: str, *, sequence_parallel: bool = False,
     ckpt_dir, meta, saved = read_checkpoint(load_dir)
     config = inference_config(saved, sequence_parallel)
     check_compatible(meta, config, ckpt_dir)
-    initialized = parallel_state.model_parallel_is_initialized()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank() if initialized else 0
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if initialized else 0
+    st = parallel_state.resolve_parallel_state()
+    tp_rank, pp_rank = st.tensor_model_parallel_rank, st.pipeline_model_parallel_rank
     pp, vp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
     partition = partition_layers(config.num_layers, pp, vp, layers_per_stage=config.layers_per_virtual_stage())
     chunks = []

@@ -164,10 +164,9 @@ class MegatronOptimizer:
                  state: Optional[ps.ParallelState] = None):
         self.config = config
         self.model_chunks = list(model_chunks)
-        if state is None and ps.model_parallel_is_initialized():
-            state = ps.get_parallel_state()
-        self.tp_rank = state.tensor_model_parallel_rank if state is not None else 0
-        self.model_parallel_group = state.model_parallel_group if state is not None else None
+        state = ps.resolve_parallel_state(state)
+        self.tp_rank = state.tensor_model_parallel_rank
+        self.model_parallel_group = state.model_parallel_group
         self.data_parallel_group = self.model_chunks[0].dp_group
         self.grad_scaler = _make_grad_scaler(config)
         self.num_steps = 0  # successful steps

@@ -9,7 +9,8 @@
 The model-facing contract is Megatron's, so forward-step functions port as they are:
 ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`` and, on
 the last stage, ``loss_func(output_tensor) -> (loss, reduced_dict)`` or
-``(loss, num_tokens, reduced_dict)``. Before each forward the executor calls
+``(loss, num_tokens, reduced_dict)``. A forward step that declares a ``vp_stage``
+parameter is also passed the local chunk index. Before each forward the executor calls
 ``model.set_input_tensor(received)`` (None on the first stage).
 
 Memory: an activation is dropped as soon as its backward ran, so 1F1B holds at
@@ -20,6 +21,7 @@ deallocation; its autograd graph stays).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -46,10 +48,7 @@ class PipelineGroup:
 
     @staticmethod
     def from_state(state: Optional[parallel_state.ParallelState] = None) -> "PipelineGroup":
-        if state is None:
-            if not parallel_state.model_parallel_is_initialized():
-                return PipelineGroup(None, [0], 0)
-            state = parallel_state.get_parallel_state()
+        state = parallel_state.resolve_parallel_state(state)
         return PipelineGroup(state.pipeline_model_parallel_group, list(state.group_ranks["pp"]),
                              state.pipeline_model_parallel_rank)
 
@@ -105,12 +104,6 @@ def custom_backward(outputs: Tensors, grads: Tensors) -> None:
     )
 
 
-def _set_virtual_rank(chunk: Optional[int]) -> None:
-    if parallel_state.model_parallel_is_initialized() and \
-            parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
-
-
 class ScheduleExecutor:
     """Runs one schedule on this rank's model chunks."""
 
@@ -139,6 +132,8 @@ class ScheduleExecutor:
                              f"{len(pipeline.ranks)} ranks (this is stage {pipeline.stage})")
         self.schedule, self.model, self.pipeline = schedule, list(model), pipeline
         self.forward_step_func = forward_step_func
+        # The chunk reaches the forward step as an argument where it asks for one (no global state).
+        self.pass_vp_stage = "vp_stage" in inspect.signature(forward_step_func).parameters
         self.data_iterators = (list(data_iterator) if isinstance(data_iterator, (list, tuple))
                                else [data_iterator] * len(self.model))
         self.recv_spec = recv_spec
@@ -176,7 +171,6 @@ class ScheduleExecutor:
     # ------------------------------------------------------------------ compute
     def _forward(self, mb: int, chunk: int) -> None:
         key = (mb, chunk)
-        _set_virtual_rank(chunk)
         model = self.model[chunk]
         inputs = self.inputs.get(key)
         if not self._is_first(chunk):
@@ -190,7 +184,8 @@ class ScheduleExecutor:
 
         grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
         with grad_ctx:
-            output, loss_func = self.forward_step_func(self.data_iterators[chunk], model)
+            output, loss_func = self.forward_step_func(self.data_iterators[chunk], model, **(
+                {"vp_stage": chunk} if self.pass_vp_stage else {}))
             if self._is_last(chunk):
                 output = self._loss(loss_func(output))
         outputs = _as_tuple(output)
@@ -232,7 +227,6 @@ class ScheduleExecutor:
 
     def _backward(self, mb: int, chunk: int) -> None:
         key = (mb, chunk)
-        _set_virtual_rank(chunk)
         outputs = self.outputs.pop(key)
         inputs = self.inputs.pop(key, ())
         if self._is_last(chunk):
@@ -334,7 +328,6 @@ class ScheduleExecutor:
             if self.time_actions:
                 marks.append((str(step), start, self._mark()))
         self._collect_times(origin, marks)
-        _set_virtual_rank(0)
         return self.losses if self._is_last(self.schedule.num_model_chunks - 1) else []
 
 

@@ -92,11 +92,10 @@ def forward_backward(
         pipeline_dtype = cfg("pipeline_dtype", None) or cfg("params_dtype", torch.float32)
 
     stages = len(pipeline.ranks)
-    if parallel_state.model_parallel_is_initialized():
-        vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        if vp is not None and len(chunks) != vp:
-            raise ValueError(f"virtual_pipeline_model_parallel_size is {vp} but the model has {len(chunks)} "
-                             f"chunk(s) on this rank: build one chunk per virtual stage")
+    vp = parallel_state.resolve_parallel_state().virtual_pipeline_model_parallel_size
+    if vp is not None and len(chunks) != vp:
+        raise ValueError(f"virtual_pipeline_model_parallel_size is {vp} but the model has {len(chunks)} "
+                         f"chunk(s) on this rank: build one chunk per virtual stage")
     name = schedule or default_schedule_name(stages, len(chunks) if len(chunks) > 1 else None)
     sched = _checked_schedule(name, stages, num_microbatches, len(chunks), forward_only)
 
@@ -108,7 +107,7 @@ def forward_backward(
                 raise ValueError("pipeline transfers need tensor_shape, or seq_length, micro_batch_size and "
                                  "model.config.hidden_size (or variable_seq_lengths=True)")
             if cfg("sequence_parallel", False):
-                tp = cfg("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size())
+                tp = cfg("tensor_model_parallel_size", parallel_state.resolve_parallel_state().tensor_model_parallel_size)
                 seq_length = seq_length // tp
             tensor_shape = (seq_length, micro_batch_size, hidden)
         recv_spec = TensorSpec((tuple(tensor_shape),), (pipeline_dtype,))
@@ -134,9 +133,8 @@ def get_forward_backward_func(
 ) -> Callable[..., list[Any]]:
     """The forward-backward function for the current layout (Megatron's name and contract)."""
     if pipeline_model_parallel_size is None:
-        pipeline_model_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
-        if parallel_state.model_parallel_is_initialized():
-            virtual_pipeline_model_parallel_size = \
-                parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        state = parallel_state.resolve_parallel_state()
+        pipeline_model_parallel_size = state.pipeline_model_parallel_size
+        virtual_pipeline_model_parallel_size = state.virtual_pipeline_model_parallel_size
     name = default_schedule_name(pipeline_model_parallel_size, virtual_pipeline_model_parallel_size)
     return functools.partial(forward_backward, schedule=name)
