@@ -39,7 +39,7 @@ from parallel3d.distributed import (
     finalize_model_grads,
     get_megatron_optimizer,
 )
-from parallel3d.pipeline import get_forward_backward_func
+from parallel3d.pipeline import forward_backward
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
 from parallel3d.training_guards import ExitSignalHandler, StepGuard
 
@@ -210,19 +210,21 @@ def _group_ranks(kind: str) -> list[int]:
 
 def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list, optimizer: Any,
                scheduler: Any, args: argparse.Namespace, stats: Optional[list] = None,
-               average_losses: Optional[LossAverager] = None
+               average_losses: Optional[LossAverager] = None, schedule: Optional[str] = None
                ) -> tuple[dict[str, float], bool, Optional[float]]:
-    """One iteration; ``stats`` (a list) receives the executor's per-action timings."""
+    """One iteration; ``stats`` (a list) receives the executor's per-action timings.
+
+    ``schedule``: a pipeline schedule name; None = the layout's (1F1B, interleaved with virtual stages).
+    """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    forward_backward = get_forward_backward_func()
     with waiting_for(lambda: f"forward/backward (gradient reduction over data-parallel ranks {_group_ranks('dp')}, "
                      "tied-embedding all-reduce)", "its data-parallel and embedding-group peers"):
         losses = forward_backward(
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
+            micro_batch_size=args.micro_batch_size, schedule=schedule,
             grad_scale_func=optimizer.scale_loss if (args.fp16 or args.bf16) else None,
             finalize_model_grads_func=finalize_model_grads, pipeline_dtype=params_dtype(args),
             deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
@@ -241,7 +243,6 @@ def evaluate(forward_step_func: Callable, data_iterator: Sequence, model: list,
              args: argparse.Namespace, average_losses: Optional[LossAverager] = None) -> dict[str, float]:
     for chunk in model:
         chunk.eval()
-    forward_backward = get_forward_backward_func()
     average_losses = average_losses or LossAverager()
     totals: dict[str, float] = {}
     with torch.no_grad():

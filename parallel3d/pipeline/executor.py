@@ -33,7 +33,7 @@ from parallel3d import parallel_state
 from parallel3d.distributed_timeout import waiting_for
 
 from .p2p import TensorSpec, Transfer, exchange
-from .schedules import Action, Schedule
+from .schedules import Action, Schedule, virtual_stage
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -63,7 +63,6 @@ class ExecutorStats:
 
     inflight: int = 0
     peak_inflight: int = 0
-    order: list[str] = field(default_factory=list)
     action_times: list[tuple[str, float, float]] = field(default_factory=list)
 
 
@@ -159,14 +158,11 @@ class ScheduleExecutor:
         self.last_backward = {a.chunk: a.microbatch for a in schedule.actions[pipeline.stage] if a.kind == "B"}
 
     # ------------------------------------------------------------------ helpers
-    def _virtual_stage(self, chunk: int) -> int:
-        return chunk * self.schedule.num_stages + self.pipeline.stage
-
     def _is_first(self, chunk: int) -> bool:
-        return self._virtual_stage(chunk) == 0
+        return virtual_stage(self.pipeline.stage, chunk, self.schedule.num_stages) == 0
 
     def _is_last(self, chunk: int) -> bool:
-        return self._virtual_stage(chunk) == self.num_virtual - 1
+        return virtual_stage(self.pipeline.stage, chunk, self.schedule.num_stages) == self.num_virtual - 1
 
     # ------------------------------------------------------------------ compute
     def _forward(self, mb: int, chunk: int) -> None:
@@ -319,7 +315,6 @@ class ScheduleExecutor:
                 else:
                     self._communicate(step)
                 continue
-            self.stats.order.append(str(step))
             start = self._mark() if self.time_actions else None
             if step.kind == "F":
                 self._forward(step.microbatch, step.chunk)
@@ -335,27 +330,3 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def forward_only_schedule(schedule: Schedule) -> Schedule:
-    """Forwards only (evaluation, generation): each rank runs, microbatch by microbatch,
-    its chunks in order, receiving each input just before and sending each output just after.
-
-    With nothing to wait for in the other direction this lockstep chain cannot deadlock,
-    and unlike the training schedules it works for any number of microbatches (even one).
-    """
-    P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_model_chunks
-    last = P * V - 1
-    actions = []
-    for rank in range(P):
-        out = []
-        for mb in range(M):
-            for chunk in range(V):
-                v = chunk * P + rank
-                if v > 0:
-                    out.append(Action("RECV_F", mb, chunk, (rank - 1) % P))
-                out.append(Action("F", mb, chunk))
-                if v < last:
-                    out.append(Action("SEND_F", mb, chunk, (rank + 1) % P))
-        actions.append(out)
-    return Schedule(schedule.name + "/forward-only", P, M, V, actions)
