@@ -103,7 +103,7 @@ def load_model(load_dir: str, *, sequence_parallel: bool = False,
     chunks = []
     for c in range(vp):
         chunk = GPTModel(config, pre_process=pp_rank == 0 and c == 0, post_process=pp_rank == pp - 1 and c == vp - 1,
-                         layer_numbers=partition[pp_rank][c], vp_stage=c)
+                         layer_numbers=partition[pp_rank][c])
         chunks.append(chunk.to(device) if device is not None else chunk)
     tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank, meta)  # verifies the file's checksum
     load_model_state(chunks, tensors, ckpt_dir)
