@@ -201,6 +201,10 @@ class GPTModel(nn.Module):
 
     def _mark_embedding_parameters(self) -> None:
         """Megatron's attribute for the gradient finalisation, DDP and the optimizer."""
+        if self.pre_process and self.post_process and self.share_embeddings_and_output_weights:
+            # The output layer is fed the embedding weight, which has gradients from the embedding too:
+            # a fused wgrad must leave those for the DDP hook to add (Megatron's zero_out_wgrad).
+            self.embedding.word_embeddings.weight.zero_out_wgrad = True
         shared = self.shared_embedding_or_output_weight()
         if shared is not None and self.pre_process != self.post_process:
             # Held by the first and the last stage: its gradients must be summed over the embedding group.

@@ -43,8 +43,11 @@ from parallel3d.pipeline import forward_backward
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
 from parallel3d.training_guards import ExitSignalHandler, StepGuard
 
-# Dense bf16 peak per GPU, for MFU when --peak-tflops is not given (vendor datasheets, SXM parts).
-_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+# Dense bf16 peak per GPU, for MFU when --peak-tflops is not given (vendor datasheets), keyed by
+# torch.cuda.get_device_name() exactly: "A10" must not match an A10G, nor an H100 PCIe the SXM part.
+_PEAK_TFLOPS = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0,
+                "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100-SXM4-40GB": 312.0, "NVIDIA A100-PCIE-40GB": 312.0,
+                "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA L40S": 362.0, "NVIDIA A10": 125.0}
 
 
 def print_rank_0(*args: Any) -> None:
@@ -278,12 +281,7 @@ def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> 
 def peak_tflops(args: argparse.Namespace) -> Optional[float]:
     if args.peak_tflops:
         return args.peak_tflops
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, value in _PEAK_TFLOPS.items():
-            if key in name:
-                return value
-    return None
+    return _PEAK_TFLOPS.get(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
 class TrainingLogger:

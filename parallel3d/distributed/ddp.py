@@ -143,15 +143,9 @@ class DistributedDataParallel(nn.Module):
         self._hook_handles = []
         for p in params:
             p.grad_added_to_main_grad = False
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook()))
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     # ------------------------------------------------------------------ hooks and communication
-    def _make_grad_hook(self):
-        def hook(param: nn.Parameter) -> None:
-            self._on_grad_ready(param)
-
-        return hook
-
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self.param_to_bucket[param]
