@@ -150,6 +150,11 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def _all_ranks_ok(ok: bool) -> bool:
     """Whether every rank reports ok: a sync point that, unlike a barrier, lets all ranks learn of one's failure."""
     if not dist.is_initialized():
@@ -446,7 +451,8 @@ def load_checkpoint(
     meta = read_metadata(ckpt_dir)
     check_compatible(meta, model_config, ckpt_dir)
     st = parallel_state.resolve_parallel_state()
-    tensors, _ = load_model_shards(ckpt_dir, st.tensor_model_parallel_rank, st.pipeline_model_parallel_rank, meta)
+    tp_rank, pp_rank = st.tensor_model_parallel_rank, st.pipeline_model_parallel_rank
+    tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank, meta)
     load_model_state(model, tensors, ckpt_dir)
     if optimizer is not None and load_optimizer:
         rel = f"{rank_dir_name(tp_rank, pp_rank)}/optimizer.pt"
