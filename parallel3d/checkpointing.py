@@ -150,11 +150,6 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _all_ranks_ok(ok: bool) -> bool:
     """Whether every rank reports ok: a sync point that, unlike a barrier, lets all ranks learn of one's failure."""
     if not dist.is_initialized():
@@ -479,7 +474,8 @@ def load_checkpoint(
             set_rng_state(state)
         except (KeyError, TypeError, AttributeError, RuntimeError) as e:  # "Invalid mt19937 state"
             raise CheckpointError(f"{path} holds no valid RNG state: {type(e).__name__}: {e}") from e
-    _barrier()
+    if dist.is_initialized():  # every rank has loaded before any goes on
+        dist.barrier()
     return iteration, meta
 
 
