@@ -96,7 +96,7 @@ def bench_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
 
 def synthetic_iterator(args: argparse.Namespace):
     """Random tokens in the dataset's item format, generated on the device (no loader in the timing)."""
-    g = torch.Generator(device=default_device()).manual_seed(1234 + parallel_state.get_data_parallel_rank())
+    g = torch.Generator(device=default_device()).manual_seed(1234 + parallel_state.resolve_parallel_state().data_parallel_rank)
     b, s = args.micro_batch_size, args.seq_length
     positions = torch.arange(s, device=default_device()).expand(b, s)
     mask = torch.ones(b, s, device=default_device())
@@ -142,18 +142,12 @@ def main(argv=None) -> None:
     scheduler = get_optimizer_param_scheduler(optimizer, args)
     iterators = [synthetic_iterator(args) for _ in model]
     forward_step = partial(pretrain_gpt.forward_step, False)
-    if bench.schedule:
-        import parallel3d.training as training
-
-        from parallel3d.pipeline import forward_backward as fb
-
-        training.get_forward_backward_func = lambda: partial(fb, schedule=bench.schedule)
 
     times = []
     for i in range(bench.warmup + bench.iters):
         sync()
         t0 = time.perf_counter()
-        train_step(forward_step, iterators, model, optimizer, scheduler, args)
+        train_step(forward_step, iterators, model, optimizer, scheduler, args, schedule=bench.schedule)
         sync()
         if i >= bench.warmup:
             times.append(time.perf_counter() - t0)
@@ -182,7 +176,8 @@ def main(argv=None) -> None:
         stats: list = []
         sync()
         t0 = time.perf_counter()
-        train_step(forward_step, iterators, model, optimizer, scheduler, args, stats=stats)
+        train_step(forward_step, iterators, model, optimizer, scheduler, args, stats=stats,
+                   schedule=bench.schedule)
         sync()
         timed_step = time.perf_counter() - t0
         mine = stats[0].action_times if stats else []
@@ -218,7 +213,7 @@ def main(argv=None) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            train_step(forward_step, iterators, model, optimizer, scheduler, args)
+            train_step(forward_step, iterators, model, optimizer, scheduler, args, schedule=bench.schedule)
             sync()
         result.update(nccl_overlap(prof))
 

@@ -145,9 +145,8 @@ def layer_partition(args: argparse.Namespace) -> list[list[range]]:
 
 def model_provider(config: TransformerConfig, partition: list[list[range]], pre_process: bool, post_process: bool,
                    vp_stage: int) -> GPTModel:
-    layers = partition[parallel_state.get_pipeline_model_parallel_rank()][vp_stage]
-    return GPTModel(config, pre_process=pre_process, post_process=post_process, layer_numbers=layers,
-                    vp_stage=vp_stage)
+    layers = partition[parallel_state.resolve_parallel_state().pipeline_model_parallel_rank][vp_stage]
+    return GPTModel(config, pre_process=pre_process, post_process=post_process, layer_numbers=layers)
 
 
 # --------------------------------------------------------------------------------------- steps

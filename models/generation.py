@@ -41,17 +41,13 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 def _is_source() -> bool:
     """The rank that picks tokens: TP rank 0 of the last pipeline stage."""
-    if not parallel_state.model_parallel_is_initialized():
-        return True
-    st = parallel_state.get_parallel_state()
+    st = parallel_state.resolve_parallel_state()
     return st.is_pipeline_last_stage(ignore_virtual=True) and st.tensor_model_parallel_rank == 0
 
 
 def _share_from_source(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the source rank holds it, on every rank of this model replica (in place)."""
-    if not parallel_state.model_parallel_is_initialized():
-        return t
-    st = parallel_state.get_parallel_state()
+    st = parallel_state.resolve_parallel_state()
     if st.tensor_model_parallel_size > 1 and st.is_pipeline_last_stage(ignore_virtual=True):
         dist.broadcast(t, src=st.group_ranks["tp"][0], group=st.tensor_model_parallel_group)
     if st.pipeline_model_parallel_size > 1:

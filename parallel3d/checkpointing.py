@@ -139,10 +139,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _layout() -> dict[str, Any]:
-    if not parallel_state.model_parallel_is_initialized():
-        return {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
-                "virtual_pipeline_model_parallel_size": None, "data_parallel_size": 1}
-    st = parallel_state.get_parallel_state()
+    st = parallel_state.resolve_parallel_state()
     return {"tensor_model_parallel_size": st.tensor_model_parallel_size,
             "pipeline_model_parallel_size": st.pipeline_model_parallel_size,
             "virtual_pipeline_model_parallel_size": st.virtual_pipeline_model_parallel_size,
@@ -264,9 +261,9 @@ def save_checkpoint(
     A file that cannot be written raises CheckpointError on every rank and leaves no partial directory.
     """
     rank = _global_rank()
-    ranks = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-             "dp_rank": parallel_state.get_data_parallel_rank(), "rank": rank}
+    st = parallel_state.resolve_parallel_state()
+    ranks = {"tp_rank": st.tensor_model_parallel_rank, "pp_rank": st.pipeline_model_parallel_rank,
+             "dp_rank": st.data_parallel_rank, "rank": rank}
     final = iteration_dir(save_dir, iteration)
     tmp = final + ".tmp"
     error: Optional[CheckpointError] = None
@@ -448,8 +445,8 @@ def load_checkpoint(
     ckpt_dir = find_checkpoint_dir(load_dir, iteration)
     meta = read_metadata(ckpt_dir)
     check_compatible(meta, model_config, ckpt_dir)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    st = parallel_state.resolve_parallel_state()
+    tp_rank, pp_rank = st.tensor_model_parallel_rank, st.pipeline_model_parallel_rank
     tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank, meta)
     load_model_state(model, tensors, ckpt_dir)
     if optimizer is not None and load_optimizer:
@@ -477,7 +474,7 @@ def load_checkpoint(
             set_rng_state(state)
         except (KeyError, TypeError, AttributeError, RuntimeError) as e:  # "Invalid mt19937 state"
             raise CheckpointError(f"{path} holds no valid RNG state: {type(e).__name__}: {e}") from e
-    if dist.is_initialized():
+    if dist.is_initialized():  # every rank has loaded before any goes on
         dist.barrier()
     return iteration, meta
 

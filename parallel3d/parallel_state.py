@@ -11,7 +11,14 @@ Two ways to use the groups:
 - explicit: ``state = initialize_model_parallel(...)`` returns a
   :class:`ParallelState`; every parallel layer accepts explicit groups;
 - Megatron style: the module-level getters (``get_tensor_model_parallel_group()``
-  and friends) read the default state set by the last ``initialize_model_parallel``.
+  and friends) read the default state set by the last ``initialize_model_parallel``;
+  they raise while there is none.
+
+Library code that also builds the one-process model (the layers, the models, the
+training loop; a test's single-process reference) asks :func:`resolve_parallel_state`:
+the state it was given, else the default, else the one-process layout (every size 1,
+no groups). Data parallelism is never guessed: DDP under torch.distributed without
+model-parallel groups needs its ``dp_group`` passed (see distributed/ddp.py).
 """
 from __future__ import annotations
 
@@ -64,9 +71,8 @@ def build_group_ranks(
 ) -> dict[str, list[list[int]]]:
     """Every group of the layout, as lists of global ranks (a pure function).
 
-    Keys: ``tp``, ``pp``, ``dp``, ``mp`` (TP x PP: one model replica),
-    ``embedding`` (first and last stage of each pipeline, for tied embeddings)
-    and ``position_embedding`` (first stage of each pipeline).
+    Keys: ``tp``, ``pp``, ``dp``, ``mp`` (TP x PP: one model replica) and
+    ``embedding`` (first and last stage of each pipeline, for tied embeddings).
     Each group's ranks are ordered by the coordinate that varies inside it.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
@@ -90,7 +96,6 @@ def build_group_ranks(
         "dp": groups_varying(("dp",)),
         "mp": groups_varying(("tp", "pp")),
         "embedding": embedding,
-        "position_embedding": [[g[0]] for g in pp_groups],
     }
 
 
@@ -105,8 +110,13 @@ class ParallelState:
     order: str
     rank: int
     group_ranks: dict[str, list[int]]  # this rank's group of each kind
-    groups: dict[str, dist.ProcessGroup] = field(repr=False)
-    virtual_pipeline_model_parallel_rank: Optional[int] = None
+    groups: dict[str, Optional[dist.ProcessGroup]] = field(repr=False)
+
+    @staticmethod
+    def one_process() -> "ParallelState":
+        """The layout of a single process without torch.distributed: every size 1, no groups."""
+        kinds = ("tp", "pp", "dp", "mp", "embedding")
+        return ParallelState(1, 1, 1, None, "tp-dp-pp", 0, {k: [0] for k in kinds}, {k: None for k in kinds})
 
     # Names follow Megatron so that porting scripts is mechanical.
     @property
@@ -130,10 +140,6 @@ class ParallelState:
         return self.groups.get("embedding")
 
     @property
-    def position_embedding_group(self) -> Optional[dist.ProcessGroup]:
-        return self.groups.get("position_embedding")
-
-    @property
     def tensor_model_parallel_rank(self) -> int:
         return self.group_ranks["tp"].index(self.rank)
 
@@ -149,19 +155,20 @@ class ParallelState:
         """Global rank of pipeline stage ``pp_rank`` in this rank's pipeline."""
         return self.group_ranks["pp"][pp_rank]
 
+    def _in_virtual_stage(self, which: int, ignore_virtual: bool, vp_stage: Optional[int]) -> bool:
+        """Whether a chunk is local chunk ``which`` (0 or V-1) as far as virtual stages matter."""
+        if ignore_virtual or self.virtual_pipeline_model_parallel_size is None:
+            return True
+        if vp_stage is None:
+            raise ValueError("with virtual pipeline stages, pass vp_stage (the local chunk) or ignore_virtual=True")
+        return vp_stage == which % self.virtual_pipeline_model_parallel_size
+
     def is_pipeline_first_stage(self, ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
-        if not ignore_virtual and self.virtual_pipeline_model_parallel_size is not None:
-            vp = self.virtual_pipeline_model_parallel_rank if vp_stage is None else vp_stage
-            if vp is not None and vp != 0:
-                return False
-        return self.pipeline_model_parallel_rank == 0
+        return self._in_virtual_stage(0, ignore_virtual, vp_stage) and self.pipeline_model_parallel_rank == 0
 
     def is_pipeline_last_stage(self, ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
-        if not ignore_virtual and self.virtual_pipeline_model_parallel_size is not None:
-            vp = self.virtual_pipeline_model_parallel_rank if vp_stage is None else vp_stage
-            if vp is not None and vp != self.virtual_pipeline_model_parallel_size - 1:
-                return False
-        return self.pipeline_model_parallel_rank == self.pipeline_model_parallel_size - 1
+        last = self.pipeline_model_parallel_rank == self.pipeline_model_parallel_size - 1
+        return self._in_virtual_stage(-1, ignore_virtual, vp_stage) and last
 
     def is_rank_in_embedding_group(self) -> bool:
         return self.rank in self.group_ranks["embedding"]
@@ -210,8 +217,7 @@ def initialize_model_parallel(
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 groups[kind], mine[kind] = group, ranks
-    for kind in ("embedding", "position_embedding"):
-        mine.setdefault(kind, [])
+    mine.setdefault("embedding", [])
     _STATE = ParallelState(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -221,7 +227,6 @@ def initialize_model_parallel(
         rank=rank,
         group_ranks=mine,
         groups=groups,
-        virtual_pipeline_model_parallel_rank=0 if virtual_pipeline_model_parallel_size is not None else None,
     )
     return _STATE
 
@@ -232,14 +237,23 @@ def model_parallel_is_initialized() -> bool:
 
 def get_parallel_state() -> ParallelState:
     if _STATE is None:
-        raise RuntimeError("model parallel groups are not initialised: call initialize_model_parallel()")
+        raise RuntimeError("model parallel groups are not initialised: call initialize_model_parallel() "
+                           "(or pass the groups / state explicitly)")
     return _STATE
+
+
+def resolve_parallel_state(state: Optional[ParallelState] = None) -> ParallelState:
+    """``state`` if given, else the default, else the one-process layout."""
+    if state is not None:
+        return state
+    return _STATE if _STATE is not None else ParallelState.one_process()
 
 
 def destroy_model_parallel() -> None:
     """Destroy the default groups and forget them.
 
-    Every rank destroys its groups in the order they were created. Tearing down an NCCL
+    Every rank destroys its own groups kind by kind (tp, pp, dp, mp, embedding: the order in which
+    initialize_model_parallel created them, the same on every rank). Tearing down an NCCL
     communicator waits for its peers to tear it down too, so ranks that destroy two shared
     groups in opposite orders wait on each other forever: a set of groups (ordered by object
     id, which differs between processes) made every TP or PP job hang after its last step.
@@ -252,78 +266,40 @@ def destroy_model_parallel() -> None:
     _STATE = None
 
 
-# Megatron-style module-level getters, reading the default state.
-def get_tensor_model_parallel_group() -> dist.ProcessGroup:
-    return get_parallel_state().tensor_model_parallel_group
+# Megatron-style module-level getters: each reads one attribute of the default state, and
+# raises while there is none.
+def _getter(attribute: str, name: str):
+    def get():
+        return getattr(get_parallel_state(), attribute)
+
+    get.__name__ = get.__qualname__ = name
+    get.__doc__ = f"``ParallelState.{attribute}`` of the default state (set by initialize_model_parallel)."
+    return get
 
 
-def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
-    return get_parallel_state().pipeline_model_parallel_group
-
-
-def get_data_parallel_group() -> dist.ProcessGroup:
-    return get_parallel_state().data_parallel_group
-
-
-def get_model_parallel_group() -> dist.ProcessGroup:
-    return get_parallel_state().model_parallel_group
-
-
-def get_embedding_group() -> Optional[dist.ProcessGroup]:
-    return get_parallel_state().embedding_group
-
-
-def get_position_embedding_group() -> Optional[dist.ProcessGroup]:
-    return get_parallel_state().position_embedding_group
-
-
-def get_tensor_model_parallel_rank() -> int:
-    return get_parallel_state().tensor_model_parallel_rank if _STATE is not None else 0
-
-
-def get_tensor_model_parallel_world_size() -> int:
-    return get_parallel_state().tensor_model_parallel_size if _STATE is not None else 1
-
-
-def get_pipeline_model_parallel_rank() -> int:
-    return get_parallel_state().pipeline_model_parallel_rank if _STATE is not None else 0
-
-
-def get_pipeline_model_parallel_world_size() -> int:
-    return get_parallel_state().pipeline_model_parallel_size if _STATE is not None else 1
-
-
-def get_data_parallel_rank() -> int:
-    return get_parallel_state().data_parallel_rank if _STATE is not None else 0
-
-
-def get_data_parallel_world_size() -> int:
-    return get_parallel_state().data_parallel_size if _STATE is not None else 1
-
-
-def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
-    return get_parallel_state().virtual_pipeline_model_parallel_rank
-
-
-def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
-    get_parallel_state().virtual_pipeline_model_parallel_rank = rank
-
-
-def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
-    return get_parallel_state().virtual_pipeline_model_parallel_size
+get_tensor_model_parallel_group = _getter("tensor_model_parallel_group", "get_tensor_model_parallel_group")
+get_pipeline_model_parallel_group = _getter("pipeline_model_parallel_group", "get_pipeline_model_parallel_group")
+get_data_parallel_group = _getter("data_parallel_group", "get_data_parallel_group")
+get_model_parallel_group = _getter("model_parallel_group", "get_model_parallel_group")
+get_embedding_group = _getter("embedding_group", "get_embedding_group")
+get_tensor_model_parallel_rank = _getter("tensor_model_parallel_rank", "get_tensor_model_parallel_rank")
+get_tensor_model_parallel_world_size = _getter("tensor_model_parallel_size", "get_tensor_model_parallel_world_size")
+get_pipeline_model_parallel_rank = _getter("pipeline_model_parallel_rank", "get_pipeline_model_parallel_rank")
+get_pipeline_model_parallel_world_size = _getter("pipeline_model_parallel_size",
+                                                 "get_pipeline_model_parallel_world_size")
+get_data_parallel_rank = _getter("data_parallel_rank", "get_data_parallel_rank")
+get_data_parallel_world_size = _getter("data_parallel_size", "get_data_parallel_world_size")
+get_virtual_pipeline_model_parallel_world_size = _getter("virtual_pipeline_model_parallel_size",
+                                                         "get_virtual_pipeline_model_parallel_world_size")
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
-    if _STATE is None:
-        return True
-    return _STATE.is_pipeline_first_stage(ignore_virtual, vp_stage)
+    return get_parallel_state().is_pipeline_first_stage(ignore_virtual, vp_stage)
 
 
 def is_pipeline_last_stage(ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
-    if _STATE is None:
-        return True
-    return _STATE.is_pipeline_last_stage(ignore_virtual, vp_stage)
+    return get_parallel_state().is_pipeline_last_stage(ignore_virtual, vp_stage)
 
 
 def is_rank_in_embedding_group() -> bool:
-    return _STATE is not None and _STATE.is_rank_in_embedding_group()
+    return get_parallel_state().is_rank_in_embedding_group()

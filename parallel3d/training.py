@@ -39,12 +39,15 @@ from parallel3d.distributed import (
     finalize_model_grads,
     get_megatron_optimizer,
 )
-from parallel3d.pipeline import get_forward_backward_func
+from parallel3d.pipeline import forward_backward
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
 from parallel3d.training_guards import ExitSignalHandler, StepGuard
 
-# Dense bf16 peak per GPU, for MFU when --peak-tflops is not given (vendor datasheets, SXM parts).
-_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+# Dense bf16 peak per GPU, for MFU when --peak-tflops is not given (vendor datasheets), keyed by
+# torch.cuda.get_device_name() exactly: "A10" must not match an A10G, nor an H100 PCIe the SXM part.
+_PEAK_TFLOPS = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0,
+                "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100-SXM4-40GB": 312.0, "NVIDIA A100-PCIE-40GB": 312.0,
+                "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA L40S": 362.0, "NVIDIA A10": 125.0}
 
 
 def print_rank_0(*args: Any) -> None:
@@ -87,16 +90,11 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 def get_model(model_provider: Callable[..., torch.nn.Module], args: argparse.Namespace
               ) -> list[DistributedDataParallel]:
     """Build this rank's model chunks (one per virtual stage) and wrap each in DDP."""
-    vp = args.virtual_pipeline_model_parallel_size or 1
+    state = parallel_state.resolve_parallel_state()
     chunks = []
-    for c in range(vp):
-        if args.virtual_pipeline_model_parallel_size is not None:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(c)
-        pre = parallel_state.is_pipeline_first_stage(vp_stage=c)
-        post = parallel_state.is_pipeline_last_stage(vp_stage=c)
+    for c in range(args.virtual_pipeline_model_parallel_size or 1):
+        pre, post = state.is_pipeline_first_stage(vp_stage=c), state.is_pipeline_last_stage(vp_stage=c)
         chunks.append(model_provider(pre_process=pre, post_process=post, vp_stage=c))
-    if args.virtual_pipeline_model_parallel_size is not None:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.bf16 or args.fp16,
         overlap_grad_reduce=args.overlap_grad_reduce,
@@ -155,8 +153,8 @@ def build_data_iterators(datasets_provider: Callable, args: argparse.Namespace, 
     num_samples = (args.train_iters * args.global_batch_size, eval_runs * args.global_batch_size,
                    args.eval_iters * args.global_batch_size)
     train_ds, valid_ds, test_ds = datasets_provider(num_samples)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
+    state = parallel_state.resolve_parallel_state()
+    dp_rank, dp_size = state.data_parallel_rank, state.data_parallel_size
 
     def loader(ds, consumed):
         return build_pretraining_data_loader(ds, consumed, args.micro_batch_size, dp_rank, dp_size,
@@ -210,26 +208,26 @@ def _as_tensor(x: Any, dev: torch.device) -> torch.Tensor:
 
 def _group_ranks(kind: str) -> list[int]:
     """This rank's group of ``kind`` (tp, pp, dp, mp) as global ranks, for error messages."""
-    if not parallel_state.model_parallel_is_initialized():
-        return [dist.get_rank() if dist.is_initialized() else 0]
-    return list(parallel_state.get_parallel_state().group_ranks[kind])
+    return list(parallel_state.resolve_parallel_state().group_ranks[kind])
 
 
 def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list, optimizer: Any,
                scheduler: Any, args: argparse.Namespace, stats: Optional[list] = None,
-               average_losses: Optional[LossAverager] = None
+               average_losses: Optional[LossAverager] = None, schedule: Optional[str] = None
                ) -> tuple[dict[str, float], bool, Optional[float]]:
-    """One iteration; ``stats`` (a list) receives the executor's per-action timings."""
+    """One iteration; ``stats`` (a list) receives the executor's per-action timings.
+
+    ``schedule``: a pipeline schedule name; None = the layout's (1F1B, interleaved with virtual stages).
+    """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    forward_backward = get_forward_backward_func()
     with waiting_for(lambda: f"forward/backward (gradient reduction over data-parallel ranks {_group_ranks('dp')}, "
                      "tied-embedding all-reduce)", "its data-parallel and embedding-group peers"):
         losses = forward_backward(
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
+            micro_batch_size=args.micro_batch_size, schedule=schedule,
             grad_scale_func=optimizer.scale_loss if (args.fp16 or args.bf16) else None,
             finalize_model_grads_func=finalize_model_grads, pipeline_dtype=params_dtype(args),
             deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
@@ -248,7 +246,6 @@ def evaluate(forward_step_func: Callable, data_iterator: Sequence, model: list,
              args: argparse.Namespace, average_losses: Optional[LossAverager] = None) -> dict[str, float]:
     for chunk in model:
         chunk.eval()
-    forward_backward = get_forward_backward_func()
     average_losses = average_losses or LossAverager()
     totals: dict[str, float] = {}
     with torch.no_grad():
@@ -280,12 +277,7 @@ def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> 
 def peak_tflops(args: argparse.Namespace) -> Optional[float]:
     if args.peak_tflops:
         return args.peak_tflops
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, value in _PEAK_TFLOPS.items():
-            if key in name:
-                return value
-    return None
+    return _PEAK_TFLOPS.get(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
 class TrainingLogger:

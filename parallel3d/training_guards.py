@@ -50,7 +50,7 @@ def locate_nonfinite(model: Sequence[torch.nn.Module], loss_is_finite: bool) -> 
             yield from chunk.module.named_parameters() if hasattr(chunk, "module") else chunk.named_parameters()
 
     local = {"rank": dist.get_rank() if dist.is_initialized() else 0,
-             "stage": parallel_state.get_pipeline_model_parallel_rank(),
+             "stage": parallel_state.resolve_parallel_state().pipeline_model_parallel_rank,
              "weight": _first_nonfinite((n, p.detach()) for n, p in params()),
              "grad": _first_nonfinite((n, getattr(p, "main_grad", p.grad)) for n, p in params())}
     everyone = [local]

@@ -67,7 +67,7 @@ def train(args, dataset_size=GBS * ITERS * 2):
     config = pretrain_gpt.transformer_config_from_args(args)
     args.ffn_hidden_size = config.ffn_hidden_size
     partition = pretrain_gpt.layer_partition(args)
-    seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
+    seed = args.seed + 100 * ps.resolve_parallel_state().pipeline_model_parallel_rank
     torch.manual_seed(seed)  # what training.initialize_distributed seeds
     model_parallel_cuda_manual_seed(seed)
     with redirect_stdout(io.StringIO()):
@@ -85,7 +85,8 @@ def full_weights(result) -> dict:
 
 def shards_against(result, ref_weights: dict):
     """(global name, this rank's shard, the reference's slice for it) for every local parameter."""
-    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    state = ps.resolve_parallel_state()
+    tp_rank, tp = state.tensor_model_parallel_rank, state.tensor_model_parallel_size
     for chunk in result["model"]:
         module = chunk.module
         for name, p in module.named_parameters():

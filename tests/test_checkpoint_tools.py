@@ -187,7 +187,7 @@ def _chunks_per_rank(cfg, pp, vp):
     partition = partition_layers(cfg.num_layers, pp, vp)
     last = pp * vp - 1
     return [[GPTModel(cfg, pre_process=c * pp + r == 0, post_process=c * pp + r == last,
-                      layer_numbers=partition[r][c], vp_stage=c) for c in range(vp)] for r in range(pp)]
+                      layer_numbers=partition[r][c]) for c in range(vp)] for r in range(pp)]
 
 
 @pytest.mark.parametrize("make,overrides", [

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import models.gpt as gpt_module
+import models.attention as attention_module
+import models.ops as ops_module
 from models import GPTModel, gather_logits, gpt2_config, llama_config, llama_ffn_hidden_size
 from parallel3d import parallel_state as ps
 from parallel3d import tensor_parallel as tp
@@ -176,8 +177,8 @@ def test_attention_backends_masks_and_fusion_flags_agree(monkeypatch):
             out = GPTModel(_config(family, **variant))(ids, pos, attention_mask=mask, labels=labels)
             _close(out, ref, f"{family} {variant} mask={mask is not None}")
         with monkeypatch.context() as m:  # torch < 2.4 has no F.rms_norm: the explicit formula
-            m.setattr(gpt_module, "_HAS_RMS_NORM", False)
-            m.setattr(gpt_module, "_SDPA_HAS_GQA", False)  # torch < 2.5: key/value heads repeated
+            m.setattr(ops_module, "_HAS_RMS_NORM", False)
+            m.setattr(attention_module, "_SDPA_HAS_GQA", False)  # torch < 2.5: key/value heads repeated
             _close(GPTModel(cfg)(ids, pos, labels=labels), ref, f"{family} torch<2.4 fallbacks")
         # A mask that hides more than the causal one changes the result the same way on both backends.
         mask = causal.clone().expand(B, 1, S, S).clone()
@@ -227,7 +228,7 @@ def test_pipeline_stages_chained_by_hand_match_full_model(family):
         counts = cfg.layers_per_virtual_stage()  # virtual stage v = chunk * PP + rank, in model order
         ranges = [range(sum(counts[:v]), sum(counts[:v + 1])) for v in range(len(counts))]
         last = len(ranges) - 1
-        stages = [GPTModel(cfg, pre_process=k == 0, post_process=k == last, layer_numbers=r, vp_stage=k)
+        stages = [GPTModel(cfg, pre_process=k == 0, post_process=k == last, layer_numbers=r)
                   for k, r in enumerate(ranges)]
         for stage in stages:  # layout independence: the stages hold exactly the full model's values
             for name, p in stage.named_parameters():

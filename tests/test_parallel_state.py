@@ -12,7 +12,7 @@ def test_megatron_table_world16_tp2_pp4():
     assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
     assert g["pp"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
     assert g["embedding"] == [[0, 12], [1, 13], [2, 14], [3, 15]]
-    assert g["position_embedding"] == [[0], [1], [2], [3]]
+    assert "position_embedding" not in g  # one rank per group: nothing to reduce
     assert g["mp"] == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
 
 
@@ -91,10 +91,11 @@ def _check_real_groups(rank, world_size):
         assert ps.get_data_parallel_world_size() == 2
         pp_rank = ps.get_pipeline_model_parallel_rank()
         assert ps.is_pipeline_first_stage(ignore_virtual=True) == (pp_rank == 0)
-        ps.set_virtual_pipeline_model_parallel_rank(1)
-        assert not ps.is_pipeline_first_stage()
-        assert ps.is_pipeline_last_stage() == (pp_rank == 1)
+        assert not ps.is_pipeline_first_stage(vp_stage=1)
+        assert ps.is_pipeline_last_stage(vp_stage=1) == (pp_rank == 1)
         assert ps.is_pipeline_first_stage(vp_stage=0) == (pp_rank == 0)
+        with pytest.raises(ValueError, match="pass vp_stage"):
+            ps.is_pipeline_first_stage()  # which chunk? no global "current virtual rank" to guess from
         assert ps.get_virtual_pipeline_model_parallel_world_size() == 2
         try:
             ps.initialize_model_parallel(2, 2)
@@ -145,3 +146,29 @@ def test_harness_reports_hangs_and_errors():
     with pytest.raises(DistributedTestError, match="rank 1 raised") as info:
         run_distributed(_raise_on_rank1, 2, timeout=30)
     assert "planted failure on rank 1" in str(info.value)
+
+
+def test_getters_raise_when_not_initialised():
+    assert not ps.model_parallel_is_initialized()
+    for getter in (ps.get_tensor_model_parallel_rank, ps.get_data_parallel_world_size, ps.get_data_parallel_group,
+                   ps.get_pipeline_model_parallel_rank, ps.is_rank_in_embedding_group):
+        with pytest.raises(RuntimeError, match="not initialised"):
+            getter()
+    # Layers and models without groups build the one-process version; they ask explicitly:
+    one = ps.resolve_parallel_state()
+    assert (one.tensor_model_parallel_size, one.data_parallel_size, one.data_parallel_group) == (1, 1, None)
+
+
+def _ddp_without_groups(rank, world_size):
+    import torch
+
+    from parallel3d.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    with pytest.raises(RuntimeError, match="not initialised"):  # never silently DDP over WORLD
+        DistributedDataParallel(torch.nn.Linear(2, 2), DistributedDataParallelConfig())
+    ddp = DistributedDataParallel(torch.nn.Linear(2, 2), DistributedDataParallelConfig(), dp_group=dist.group.WORLD)
+    assert ddp.dp_size == world_size
+
+
+def test_ddp_needs_groups_under_torch_distributed():
+    run_distributed(_ddp_without_groups, 2)

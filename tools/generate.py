@@ -96,15 +96,14 @@ def load_model(load_dir: str, *, sequence_parallel: bool = False,
     ckpt_dir, meta, saved = read_checkpoint(load_dir)
     config = inference_config(saved, sequence_parallel)
     check_compatible(meta, config, ckpt_dir)
-    initialized = parallel_state.model_parallel_is_initialized()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank() if initialized else 0
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if initialized else 0
+    st = parallel_state.resolve_parallel_state()
+    tp_rank, pp_rank = st.tensor_model_parallel_rank, st.pipeline_model_parallel_rank
     pp, vp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
     partition = partition_layers(config.num_layers, pp, vp, layers_per_stage=config.layers_per_virtual_stage())
     chunks = []
     for c in range(vp):
         chunk = GPTModel(config, pre_process=pp_rank == 0 and c == 0, post_process=pp_rank == pp - 1 and c == vp - 1,
-                         layer_numbers=partition[pp_rank][c], vp_stage=c)
+                         layer_numbers=partition[pp_rank][c])
         chunks.append(chunk.to(device) if device is not None else chunk)
     tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank, meta)  # verifies the file's checksum
     load_model_state(chunks, tensors, ckpt_dir)

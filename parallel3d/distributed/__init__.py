@@ -16,7 +16,7 @@ from .clip_grads import (
     param_is_counted_in_grad_norm,
 )
 from .ddp import DistributedDataParallel, DistributedDataParallelConfig
-from .distributed_optimizer import DistributedOptimizer
+from .distributed_optimizer import DistributedOptimizer, get_megatron_optimizer
 from .finalize_model_grads import finalize_model_grads
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .lr_scheduler import OptimizerParamScheduler
@@ -25,7 +25,6 @@ from .optimizer import (
     MegatronOptimizer,
     MixedPrecisionOptimizer,
     OptimizerConfig,
-    get_megatron_optimizer,
 )
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
 

@@ -105,11 +105,11 @@ def clip_grad_norm_fp32(
     state (add the DP group when the parameters are ZeRO-1 shards).
     """
     params = [p for p in parameters if p.grad is not None]
+    state = parallel_state.resolve_parallel_state()
     if reduce_groups is None:
-        reduce_groups = ((parallel_state.get_model_parallel_group(),)
-                         if parallel_state.model_parallel_is_initialized() else ())
+        reduce_groups = tuple(g for g in (state.model_parallel_group,) if g is not None)
     if tp_rank is None:
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp_rank = state.tensor_model_parallel_rank
     grads_for_norm = [p.grad for p in params if param_is_counted_in_grad_norm(p, tp_rank)]
     total = get_grad_norm_fp32(grads_for_norm, norm_type, reduce_groups)
     clip_grad_by_total_norm_fp32([p.grad for p in params], max_norm, total)

@@ -66,16 +66,6 @@ class DistributedDataParallelConfig:
                 raise ValueError(f"bucket_size must be a positive int (elements) or None, got {self.bucket_size!r}")
 
 
-def _resolve_dp_group(dp_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    if dp_group is not None:
-        return dp_group
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_data_parallel_group()
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD  # plain data parallelism over every rank
-    return None  # one process: no communication
-
-
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` so its gradients land in contiguous buffers reduced over the DP group.
 
@@ -94,7 +84,11 @@ class DistributedDataParallel(nn.Module):
             raise TypeError(f"ddp_config must be a DistributedDataParallelConfig, got {type(ddp_config).__name__}")
         self.module = module
         self.ddp_config = ddp_config
-        self.dp_group = _resolve_dp_group(dp_group)
+        if dp_group is None and not parallel_state.model_parallel_is_initialized() and dist.is_initialized():
+            # Never a guessed group: plain data parallelism over every rank passes dp_group=dist.group.WORLD.
+            raise RuntimeError("DistributedDataParallel under torch.distributed needs dp_group=, or the groups of "
+                               "parallel_state.initialize_model_parallel(): model parallel groups are not initialised")
+        self.dp_group = dp_group if dp_group is not None else parallel_state.resolve_parallel_state().data_parallel_group
         if self.dp_group is None:
             self.dp_size, self.dp_rank = 1, 0
         else:
@@ -149,15 +143,9 @@ class DistributedDataParallel(nn.Module):
         self._hook_handles = []
         for p in params:
             p.grad_added_to_main_grad = False
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook()))
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     # ------------------------------------------------------------------ hooks and communication
-    def _make_grad_hook(self):
-        def hook(param: nn.Parameter) -> None:
-            self._on_grad_ready(param)
-
-        return hook
-
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self.param_to_bucket[param]

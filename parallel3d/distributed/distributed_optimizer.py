@@ -29,7 +29,7 @@ from torch import nn
 from parallel3d import parallel_state as ps
 
 from .ddp import DistributedDataParallel
-from .optimizer import MegatronOptimizer, OptimizerConfig, _no_weight_decay
+from .optimizer import FP32Optimizer, MegatronOptimizer, MixedPrecisionOptimizer, OptimizerConfig, no_weight_decay
 from .param_and_grad_buffer import Bucket, all_gather_into_tensor, backend_is_nccl
 
 
@@ -87,7 +87,7 @@ class DistributedOptimizer(MegatronOptimizer):
                         main = self._make_main(main_shard[lo - start:hi - start], p)
                         pieces.append(_ShardPiece(p, lo - p_start, hi - p_start, lo - start, main,
                                                   grad_shard[lo - start:hi - start]))
-                        (no_decay if _no_weight_decay(self.names[p][1], p) else decay).append(main)
+                        (no_decay if no_weight_decay(self.names[p][1], p) else decay).append(main)
                     self.shards.append(_BucketShard(ci, bucket, buf.param_dtype, param_shard, main_shard, pieces))
         self._pieces = [piece for shard in self.shards for piece in shard.pieces]
         self._mains = [piece.main for piece in self._pieces]
@@ -172,3 +172,34 @@ class DistributedOptimizer(MegatronOptimizer):
                 hi = lo + piece.main.numel()
                 self._set_optimizer_state(piece.main, {k: fulls[k][lo:hi] for k in self._state_keys()},
                                           self.num_steps)
+
+
+# The factory sits here, below every optimizer class, so optimizer.py never imports this module back.
+def _check_chunks(config: OptimizerConfig, model_chunks) -> list[DistributedDataParallel]:
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if not chunks:
+        raise ValueError("get_megatron_optimizer needs at least one model chunk")
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, DistributedDataParallel):
+            raise TypeError(f"model chunk {i} is a {type(chunk).__name__}: wrap it in DistributedDataParallel "
+                            "(the optimizer reads main_grad from its buffers)")
+        if chunk.ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
+            raise ValueError(f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but model "
+                             f"chunk {i} was wrapped with use_distributed_optimizer="
+                             f"{chunk.ddp_config.use_distributed_optimizer}")
+        for name, p in chunk.module.named_parameters():
+            if p.requires_grad and p.dtype not in (config.params_dtype, torch.float32):
+                raise ValueError(f"chunk {i} parameter {name!r} is {p.dtype} but the OptimizerConfig trains "
+                                 f"{config.params_dtype} (bf16={config.bf16}, fp16={config.fp16})")
+    return chunks
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks, state: Optional[ps.ParallelState] = None
+                           ) -> MegatronOptimizer:
+    """The optimizer for ``config``: ZeRO-1, mixed precision with fp32 masters, or plain fp32."""
+    chunks = _check_chunks(config, model_chunks)
+    if config.use_distributed_optimizer:
+        return DistributedOptimizer(config, chunks, state)
+    if config.bf16 or config.fp16:
+        return MixedPrecisionOptimizer(config, chunks, state)
+    return FP32Optimizer(config, chunks, state)

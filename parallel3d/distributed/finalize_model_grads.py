@@ -7,8 +7,8 @@ Called once per iteration after the last backward (the pipeline executor calls
 2. sequence-parallel parameters (LayerNorm weights, row-parallel biases) saw only
    their TP rank's sequence shard: sum their gradients over TP;
 3. the tied word embedding lives on the first and the last pipeline stage: sum
-   its two gradients over the embedding group (likewise the position embedding
-   over the position-embedding group, where that group spans several ranks);
+   its two gradients over the embedding group (a learned position embedding lives
+   on the first stage only: nothing to sum);
 4. per-token loss: divide every gradient by the global number of tokens.
 
 With ZeRO-1 only this rank's shard of each bucket holds reduced gradients after
@@ -81,19 +81,6 @@ def _allreduce_word_embedding_grads(chunks: Sequence[DistributedDataParallel], s
     dist.all_reduce(_main_grad(weight), group=group)
 
 
-def _allreduce_position_embedding_grads(chunks: Sequence[DistributedDataParallel],
-                                        state: ps.ParallelState) -> None:
-    group = state.position_embedding_group
-    if group is None or state.rank not in state.group_ranks.get("position_embedding", []):
-        return
-    if dist.get_world_size(group) == 1:
-        return
-    module = _embedding_chunk(chunks, state)
-    if module is None or not hasattr(module, "position_embeddings"):
-        return
-    dist.all_reduce(_main_grad(module.position_embeddings.weight), group=group)
-
-
 @torch.no_grad()
 def finalize_model_grads(model_chunks, num_tokens: Optional[torch.Tensor] = None,
                          state: Optional[ps.ParallelState] = None) -> None:
@@ -106,8 +93,7 @@ def finalize_model_grads(model_chunks, num_tokens: Optional[torch.Tensor] = None
     The caller's tensor is not modified. ``state`` defaults to the global parallel state.
     """
     chunks = _checked_chunks(model_chunks)
-    if state is None and ps.model_parallel_is_initialized():
-        state = ps.get_parallel_state()
+    state = ps.resolve_parallel_state(state)
     if num_tokens is not None:
         bad = [i for i, c in enumerate(chunks) if not c.calculate_per_token_loss]
         if bad:
@@ -118,16 +104,14 @@ def finalize_model_grads(model_chunks, num_tokens: Optional[torch.Tensor] = None
 
     for chunk in chunks:
         chunk.finish_grad_sync()
-    if state is not None:
-        _allreduce_layernorm_grads(chunks, state)
-        _allreduce_word_embedding_grads(chunks, state)
-        _allreduce_position_embedding_grads(chunks, state)
+    _allreduce_layernorm_grads(chunks, state)
+    _allreduce_word_embedding_grads(chunks, state)
 
     if num_tokens is not None:
         if not isinstance(num_tokens, torch.Tensor):
             raise TypeError(f"num_tokens must be a tensor, got {type(num_tokens).__name__}")
         total = num_tokens.detach().clone()
-        if state is not None and state.pipeline_model_parallel_size > 1:
+        if state.pipeline_model_parallel_size > 1:
             last = state.pipeline_rank_to_global(state.pipeline_model_parallel_size - 1)
             dist.broadcast(total, src=last, group=state.pipeline_model_parallel_group)
         dp_group = chunks[0].dp_group

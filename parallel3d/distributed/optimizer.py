@@ -128,7 +128,7 @@ def _copy_attributes(main: torch.Tensor, param: torch.Tensor) -> None:
             setattr(main, attr, getattr(param, attr))
 
 
-def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     """Megatron's default: biases and 1-D parameters (norms) get no weight decay."""
     return name.endswith(".bias") or param.dim() == 1
 
@@ -164,10 +164,9 @@ class MegatronOptimizer:
                  state: Optional[ps.ParallelState] = None):
         self.config = config
         self.model_chunks = list(model_chunks)
-        if state is None and ps.model_parallel_is_initialized():
-            state = ps.get_parallel_state()
-        self.tp_rank = state.tensor_model_parallel_rank if state is not None else 0
-        self.model_parallel_group = state.model_parallel_group if state is not None else None
+        state = ps.resolve_parallel_state(state)
+        self.tp_rank = state.tensor_model_parallel_rank
+        self.model_parallel_group = state.model_parallel_group
         self.data_parallel_group = self.model_chunks[0].dp_group
         self.grad_scaler = _make_grad_scaler(config)
         self.num_steps = 0  # successful steps
@@ -387,7 +386,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             self.keys.append((ci, name))
             self.model_params.append(p)
             self.main_params.append(main)
-            (no_decay if _no_weight_decay(name, p) else decay).append(main)
+            (no_decay if no_weight_decay(name, p) else decay).append(main)
         self._half_pairs = [(p, m) for p, m in zip(self.model_params, self.main_params) if p is not m]
         self.optimizer = self._build_torch_optimizer(decay, no_decay)
 
@@ -442,35 +441,3 @@ class FP32Optimizer(MixedPrecisionOptimizer):
         super().__init__(config, model_chunks, state)
         if self._half_pairs:
             raise TypeError("FP32Optimizer got half-precision parameters")
-
-
-def _check_chunks(config: OptimizerConfig, model_chunks) -> list[DistributedDataParallel]:
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    if not chunks:
-        raise ValueError("get_megatron_optimizer needs at least one model chunk")
-    for i, chunk in enumerate(chunks):
-        if not isinstance(chunk, DistributedDataParallel):
-            raise TypeError(f"model chunk {i} is a {type(chunk).__name__}: wrap it in DistributedDataParallel "
-                            "(the optimizer reads main_grad from its buffers)")
-        if chunk.ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
-            raise ValueError(f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but model "
-                             f"chunk {i} was wrapped with use_distributed_optimizer="
-                             f"{chunk.ddp_config.use_distributed_optimizer}")
-        for name, p in chunk.module.named_parameters():
-            if p.requires_grad and p.dtype not in (config.params_dtype, torch.float32):
-                raise ValueError(f"chunk {i} parameter {name!r} is {p.dtype} but the OptimizerConfig trains "
-                                 f"{config.params_dtype} (bf16={config.bf16}, fp16={config.fp16})")
-    return chunks
-
-
-def get_megatron_optimizer(config: OptimizerConfig, model_chunks, state: Optional[ps.ParallelState] = None
-                           ) -> MegatronOptimizer:
-    """The optimizer for ``config``: ZeRO-1, mixed precision with fp32 masters, or plain fp32."""
-    chunks = _check_chunks(config, model_chunks)
-    if config.use_distributed_optimizer:
-        from .distributed_optimizer import DistributedOptimizer
-
-        return DistributedOptimizer(config, chunks, state)
-    if config.bf16 or config.fp16:
-        return MixedPrecisionOptimizer(config, chunks, state)
-    return FP32Optimizer(config, chunks, state)

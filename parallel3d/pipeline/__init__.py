@@ -3,7 +3,7 @@
     from parallel3d.pipeline import build_schedule, validate, simulate, get_forward_backward_func
 """
 from .executor import PipelineGroup, ScheduleExecutor, custom_backward, deallocate_output_tensor
-from .forward_backward import forward_backward, get_forward_backward_func
+from .forward_backward import PipelineConfig, forward_backward, get_forward_backward_func
 from .p2p import TensorSpec
-from .schedules import Action, Schedule, ScheduleError, build_schedule
+from .schedules import SCHEDULES, Action, ActionKind, Schedule, ScheduleError, build_schedule, forward_only_schedule
 from .simulate import SimResult, simulate, validate

@@ -9,7 +9,8 @@
 The model-facing contract is Megatron's, so forward-step functions port as they are:
 ``forward_step_func(data_iterator, model) -> (output_tensor, loss_func)`` and, on
 the last stage, ``loss_func(output_tensor) -> (loss, reduced_dict)`` or
-``(loss, num_tokens, reduced_dict)``. Before each forward the executor calls
+``(loss, num_tokens, reduced_dict)``. A forward step that declares a ``vp_stage``
+parameter is also passed the local chunk index. Before each forward the executor calls
 ``model.set_input_tensor(received)`` (None on the first stage).
 
 Memory: an activation is dropped as soon as its backward ran, so 1F1B holds at
@@ -20,6 +21,7 @@ deallocation; its autograd graph stays).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -31,7 +33,7 @@ from parallel3d import parallel_state
 from parallel3d.distributed_timeout import waiting_for
 
 from .p2p import TensorSpec, Transfer, exchange
-from .schedules import Action, Schedule
+from .schedules import Action, Schedule, virtual_stage
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -46,10 +48,7 @@ class PipelineGroup:
 
     @staticmethod
     def from_state(state: Optional[parallel_state.ParallelState] = None) -> "PipelineGroup":
-        if state is None:
-            if not parallel_state.model_parallel_is_initialized():
-                return PipelineGroup(None, [0], 0)
-            state = parallel_state.get_parallel_state()
+        state = parallel_state.resolve_parallel_state(state)
         return PipelineGroup(state.pipeline_model_parallel_group, list(state.group_ranks["pp"]),
                              state.pipeline_model_parallel_rank)
 
@@ -64,7 +63,6 @@ class ExecutorStats:
 
     inflight: int = 0
     peak_inflight: int = 0
-    order: list[str] = field(default_factory=list)
     action_times: list[tuple[str, float, float]] = field(default_factory=list)
 
 
@@ -105,12 +103,6 @@ def custom_backward(outputs: Tensors, grads: Tensors) -> None:
     )
 
 
-def _set_virtual_rank(chunk: Optional[int]) -> None:
-    if parallel_state.model_parallel_is_initialized() and \
-            parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(chunk)
-
-
 class ScheduleExecutor:
     """Runs one schedule on this rank's model chunks."""
 
@@ -139,6 +131,8 @@ class ScheduleExecutor:
                              f"{len(pipeline.ranks)} ranks (this is stage {pipeline.stage})")
         self.schedule, self.model, self.pipeline = schedule, list(model), pipeline
         self.forward_step_func = forward_step_func
+        # The chunk reaches the forward step as an argument where it asks for one (no global state).
+        self.pass_vp_stage = "vp_stage" in inspect.signature(forward_step_func).parameters
         self.data_iterators = (list(data_iterator) if isinstance(data_iterator, (list, tuple))
                                else [data_iterator] * len(self.model))
         self.recv_spec = recv_spec
@@ -164,19 +158,15 @@ class ScheduleExecutor:
         self.last_backward = {a.chunk: a.microbatch for a in schedule.actions[pipeline.stage] if a.kind == "B"}
 
     # ------------------------------------------------------------------ helpers
-    def _virtual_stage(self, chunk: int) -> int:
-        return chunk * self.schedule.num_stages + self.pipeline.stage
-
     def _is_first(self, chunk: int) -> bool:
-        return self._virtual_stage(chunk) == 0
+        return virtual_stage(self.pipeline.stage, chunk, self.schedule.num_stages) == 0
 
     def _is_last(self, chunk: int) -> bool:
-        return self._virtual_stage(chunk) == self.num_virtual - 1
+        return virtual_stage(self.pipeline.stage, chunk, self.schedule.num_stages) == self.num_virtual - 1
 
     # ------------------------------------------------------------------ compute
     def _forward(self, mb: int, chunk: int) -> None:
         key = (mb, chunk)
-        _set_virtual_rank(chunk)
         model = self.model[chunk]
         inputs = self.inputs.get(key)
         if not self._is_first(chunk):
@@ -190,7 +180,8 @@ class ScheduleExecutor:
 
         grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
         with grad_ctx:
-            output, loss_func = self.forward_step_func(self.data_iterators[chunk], model)
+            output, loss_func = self.forward_step_func(self.data_iterators[chunk], model, **(
+                {"vp_stage": chunk} if self.pass_vp_stage else {}))
             if self._is_last(chunk):
                 output = self._loss(loss_func(output))
         outputs = _as_tuple(output)
@@ -232,7 +223,6 @@ class ScheduleExecutor:
 
     def _backward(self, mb: int, chunk: int) -> None:
         key = (mb, chunk)
-        _set_virtual_rank(chunk)
         outputs = self.outputs.pop(key)
         inputs = self.inputs.pop(key, ())
         if self._is_last(chunk):
@@ -325,7 +315,6 @@ class ScheduleExecutor:
                 else:
                     self._communicate(step)
                 continue
-            self.stats.order.append(str(step))
             start = self._mark() if self.time_actions else None
             if step.kind == "F":
                 self._forward(step.microbatch, step.chunk)
@@ -334,7 +323,6 @@ class ScheduleExecutor:
             if self.time_actions:
                 marks.append((str(step), start, self._mark()))
         self._collect_times(origin, marks)
-        _set_virtual_rank(0)
         return self.losses if self._is_last(self.schedule.num_model_chunks - 1) else []
 
 
@@ -342,27 +330,3 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def forward_only_schedule(schedule: Schedule) -> Schedule:
-    """Forwards only (evaluation, generation): each rank runs, microbatch by microbatch,
-    its chunks in order, receiving each input just before and sending each output just after.
-
-    With nothing to wait for in the other direction this lockstep chain cannot deadlock,
-    and unlike the training schedules it works for any number of microbatches (even one).
-    """
-    P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_model_chunks
-    last = P * V - 1
-    actions = []
-    for rank in range(P):
-        out = []
-        for mb in range(M):
-            for chunk in range(V):
-                v = chunk * P + rank
-                if v > 0:
-                    out.append(Action("RECV_F", mb, chunk, (rank - 1) % P))
-                out.append(Action("F", mb, chunk))
-                if v < last:
-                    out.append(Action("SEND_F", mb, chunk, (rank + 1) % P))
-        actions.append(out)
-    return Schedule(schedule.name + "/forward-only", P, M, V, actions)

@@ -9,21 +9,57 @@ It builds the schedule for this layout (no-pipelining, 1F1B, or interleaved
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from parallel3d import parallel_state
 
-from .executor import PipelineGroup, ScheduleExecutor, forward_only_schedule
+from .executor import PipelineGroup, ScheduleExecutor
 from .p2p import TensorSpec
-from .schedules import Schedule, build_schedule
+from .schedules import Schedule, build_schedule, forward_only_schedule
 from .simulate import validate
 
 
 # Megatron's forward_backward_func takes these too; they change nothing here.
 _MEGATRON_ONLY_ARGS = {"decoder_seq_length", "collect_non_loss_data", "first_val_step", "adjust_tensor_shapes_fn"}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """What the schedule needs to know about the model: the shape and dtype of what stages send.
+
+    ``PipelineConfig.of(model_config)`` reads Megatron's TransformerConfig fields; a model without
+    a ``config`` uses the defaults and passes ``tensor_shape`` (or ``variable_seq_lengths``).
+    """
+
+    hidden_size: Optional[int] = None
+    sequence_parallel: bool = False
+    tensor_model_parallel_size: int = 1
+    pipeline_dtype: torch.dtype = torch.float32
+    variable_seq_lengths: bool = False
+    calculate_per_token_loss: bool = False
+    deallocate_pipeline_outputs: bool = False  # only safe when no backward saves a stage's output
+
+    @staticmethod
+    def of(model_config: Any) -> "PipelineConfig":
+        if model_config is None:
+            return PipelineConfig()
+        return PipelineConfig(hidden_size=model_config.hidden_size, sequence_parallel=model_config.sequence_parallel,
+                              tensor_model_parallel_size=model_config.tensor_model_parallel_size,
+                              pipeline_dtype=model_config.params_dtype)
+
+    def tensor_shape(self, seq_length: Optional[int], micro_batch_size: Optional[int]) -> tuple[int, int, int]:
+        """[s, b, h] of the hidden states between stages ([s/tp, b, h] under sequence parallelism)."""
+        if seq_length is None or micro_batch_size is None or self.hidden_size is None:
+            raise ValueError("pipeline transfers need tensor_shape, or seq_length, micro_batch_size and "
+                             "model.config.hidden_size (or variable_seq_lengths=True)")
+        if self.sequence_parallel:
+            seq_length //= self.tensor_model_parallel_size
+        return seq_length, micro_batch_size, self.hidden_size
 
 
 def default_schedule_name(pipeline_size: int, virtual_size: Optional[int]) -> str:
@@ -33,9 +69,10 @@ def default_schedule_name(pipeline_size: int, virtual_size: Optional[int]) -> st
 
 
 @functools.lru_cache(maxsize=64)
-def _checked_schedule(name: str, stages: int, microbatches: int, chunks: int, forward_only: bool):
+def _checked_schedule(name: str, stages: int, microbatches: int, chunks: int, forward_only: bool) -> Schedule:
+    """Built and validated once per shape; Schedule is frozen, so sharing the cached object is safe."""
     if forward_only:  # any microbatch count works without backwards
-        return forward_only_schedule(Schedule(name, stages, microbatches, chunks, []))
+        return forward_only_schedule(Schedule(name, stages, microbatches, chunks, ()))
     schedule = build_schedule(name, stages, microbatches, chunks)
     validate(schedule)
     return schedule
@@ -51,6 +88,7 @@ def forward_backward(
     micro_batch_size: Optional[int] = None,
     forward_only: bool = False,
     schedule: Optional[str] = None,
+    config: Optional[PipelineConfig] = None,
     tensor_shape: Optional[Sequence[int]] = None,
     pipeline_dtype: Optional[torch.dtype] = None,
     variable_seq_lengths: Optional[bool] = None,
@@ -65,11 +103,9 @@ def forward_backward(
 ) -> list[Any]:
     """Run forward and backward of ``num_microbatches`` through the pipeline; return the last stage's losses.
 
-    Settings not passed are read from ``model[0].config`` (Megatron's model config)
-    where present: hidden_size, sequence_parallel, tensor_model_parallel_size,
-    pipeline_dtype/params_dtype, variable_seq_lengths, calculate_per_token_loss,
-    deallocate_pipeline_outputs (only safe when no backward function saves a
-    stage's output tensor, e.g. it is a residual add; off by default as in Megatron-Core).
+    ``config``: a :class:`PipelineConfig`; default ``PipelineConfig.of(model[0].config)``. The
+    keyword settings (pipeline_dtype, variable_seq_lengths, calculate_per_token_loss,
+    deallocate_pipeline_outputs; Megatron's names) override its fields where given.
     ``finalize_model_grads_func(model, num_tokens)`` runs after the schedule.
     """
     unknown = set(megatron_only) - _MEGATRON_ONLY_ARGS
@@ -77,54 +113,37 @@ def forward_backward(
         raise TypeError(f"forward_backward got unexpected arguments {sorted(unknown)}")
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     pipeline = pipeline or PipelineGroup.from_state()
-    config = getattr(chunks[0], "config", None)
-
-    def cfg(name: str, default: Any) -> Any:
-        return getattr(config, name, default) if config is not None else default
-
-    if variable_seq_lengths is None:
-        variable_seq_lengths = cfg("variable_seq_lengths", False)
-    if calculate_per_token_loss is None:
-        calculate_per_token_loss = cfg("calculate_per_token_loss", False)
-    if deallocate_pipeline_outputs is None:
-        deallocate_pipeline_outputs = cfg("deallocate_pipeline_outputs", False)
-    if pipeline_dtype is None:
-        pipeline_dtype = cfg("pipeline_dtype", None) or cfg("params_dtype", torch.float32)
+    config = config or PipelineConfig.of(getattr(chunks[0], "config", None))
+    overrides = dict(pipeline_dtype=pipeline_dtype, variable_seq_lengths=variable_seq_lengths,
+                     calculate_per_token_loss=calculate_per_token_loss,
+                     deallocate_pipeline_outputs=deallocate_pipeline_outputs)
+    config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
     stages = len(pipeline.ranks)
-    if parallel_state.model_parallel_is_initialized():
-        vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        if vp is not None and len(chunks) != vp:
-            raise ValueError(f"virtual_pipeline_model_parallel_size is {vp} but the model has {len(chunks)} "
-                             f"chunk(s) on this rank: build one chunk per virtual stage")
+    vp = parallel_state.resolve_parallel_state().virtual_pipeline_model_parallel_size
+    if vp is not None and len(chunks) != vp:
+        raise ValueError(f"virtual_pipeline_model_parallel_size is {vp} but the model has {len(chunks)} "
+                         f"chunk(s) on this rank: build one chunk per virtual stage")
     name = schedule or default_schedule_name(stages, len(chunks) if len(chunks) > 1 else None)
     sched = _checked_schedule(name, stages, num_microbatches, len(chunks), forward_only)
 
     recv_spec = None
-    if stages > 1 and not variable_seq_lengths:
-        if tensor_shape is None:
-            hidden = cfg("hidden_size", None)
-            if seq_length is None or micro_batch_size is None or hidden is None:
-                raise ValueError("pipeline transfers need tensor_shape, or seq_length, micro_batch_size and "
-                                 "model.config.hidden_size (or variable_seq_lengths=True)")
-            if cfg("sequence_parallel", False):
-                tp = cfg("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size())
-                seq_length = seq_length // tp
-            tensor_shape = (seq_length, micro_batch_size, hidden)
-        recv_spec = TensorSpec((tuple(tensor_shape),), (pipeline_dtype,))
+    if stages > 1 and not config.variable_seq_lengths:
+        shape = tuple(tensor_shape) if tensor_shape is not None else config.tensor_shape(seq_length, micro_batch_size)
+        recv_spec = TensorSpec((shape,), (config.pipeline_dtype,))
 
     executor = ScheduleExecutor(
         sched, forward_step_func, data_iterator, chunks,
-        pipeline=pipeline, recv_spec=recv_spec, variable_seq_lengths=variable_seq_lengths,
+        pipeline=pipeline, recv_spec=recv_spec, variable_seq_lengths=config.variable_seq_lengths,
         forward_only=forward_only, grad_scale_func=grad_scale_func,
-        calculate_per_token_loss=calculate_per_token_loss,
-        deallocate_pipeline_outputs=deallocate_pipeline_outputs, time_actions=time_actions,
+        calculate_per_token_loss=config.calculate_per_token_loss,
+        deallocate_pipeline_outputs=config.deallocate_pipeline_outputs, time_actions=time_actions,
     )
     losses = executor.run()
     if stats is not None:
         stats.append(executor.stats)
     if finalize_model_grads_func is not None and not forward_only:
-        finalize_model_grads_func(chunks, executor.num_tokens if calculate_per_token_loss else None)
+        finalize_model_grads_func(chunks, executor.num_tokens if config.calculate_per_token_loss else None)
     return losses
 
 
@@ -134,9 +153,8 @@ def get_forward_backward_func(
 ) -> Callable[..., list[Any]]:
     """The forward-backward function for the current layout (Megatron's name and contract)."""
     if pipeline_model_parallel_size is None:
-        pipeline_model_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
-        if parallel_state.model_parallel_is_initialized():
-            virtual_pipeline_model_parallel_size = \
-                parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        state = parallel_state.resolve_parallel_state()
+        pipeline_model_parallel_size = state.pipeline_model_parallel_size
+        virtual_pipeline_model_parallel_size = state.virtual_pipeline_model_parallel_size
     name = default_schedule_name(pipeline_model_parallel_size, virtual_pipeline_model_parallel_size)
     return functools.partial(forward_backward, schedule=name)

@@ -17,26 +17,53 @@ Virtual stage 0 reads data, virtual stage V*P-1 computes the loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Optional
 
-COMPUTE_KINDS = ("F", "B")
-COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-SCHEDULE_NAMES = ("no-pipelining", "gpipe", "1f1b", "interleaved-1f1b")
+
+class ActionKind(str, Enum):
+    """What an action does. A str enum, so ``action.kind == "F"`` reads as the printed schedule."""
+
+    F = "F"            # forward of (microbatch, chunk)
+    B = "B"            # backward of it
+    SEND_F = "SEND_F"  # send its output to the next virtual stage
+    RECV_F = "RECV_F"  # receive its input from the previous one
+    SEND_B = "SEND_B"  # send its input gradient back
+    RECV_B = "RECV_B"  # receive its output gradient
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_comm(self) -> bool:
+        return self not in (ActionKind.F, ActionKind.B)
+
+
+COMPUTE_KINDS = tuple(k.value for k in ActionKind if not k.is_comm)
+COMM_KINDS = tuple(k.value for k in ActionKind if k.is_comm)
 
 
 class ScheduleError(ValueError):
     """A schedule is incomplete, mismatched or would deadlock."""
 
 
+def virtual_stage(rank: int, chunk: int, num_stages: int) -> int:
+    """Megatron's virtual stage of local ``chunk`` on pipeline ``rank``: chunk * P + rank."""
+    return chunk * num_stages + rank
+
+
 @dataclass(frozen=True)
 class Action:
-    kind: str  # one of COMPUTE_KINDS or COMM_KINDS
+    kind: ActionKind
     microbatch: int
     chunk: int  # local model chunk index on this rank (0..V-1)
-    peer: int | None = None  # pipeline rank on the other side of a SEND_*/RECV_*
+    peer: Optional[int] = None  # pipeline rank on the other side of a SEND_*/RECV_*
 
     def __post_init__(self) -> None:
-        if self.kind not in COMPUTE_KINDS + COMM_KINDS:
-            raise ValueError(f"unknown action kind {self.kind!r}; valid kinds: {COMPUTE_KINDS + COMM_KINDS}")
+        try:
+            object.__setattr__(self, "kind", ActionKind(self.kind))
+        except ValueError:
+            raise ValueError(f"unknown action kind {self.kind!r}; valid kinds: {COMPUTE_KINDS + COMM_KINDS}") from None
         if self.is_comm and self.peer is None:
             raise ValueError(f"{self.kind}{self.microbatch}.{self.chunk} needs a peer rank")
         if not self.is_comm and self.peer is not None:
@@ -44,22 +71,27 @@ class Action:
 
     @property
     def is_comm(self) -> bool:
-        return self.kind in COMM_KINDS
+        return self.kind.is_comm
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}.{self.chunk}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Schedule:
+    """Immutable (its action lists become tuples), so one cached schedule can serve every caller."""
+
     name: str
     num_stages: int
     num_microbatches: int
     num_model_chunks: int
-    actions: list[list[Action]]  # actions[rank] = ordered list for that pipeline rank
+    actions: tuple[tuple[Action, ...], ...]  # actions[rank] = ordered actions of that pipeline rank
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "actions", tuple(tuple(rank_actions) for rank_actions in self.actions))
 
     def virtual_stage(self, rank: int, chunk: int) -> int:
-        return chunk * self.num_stages + rank
+        return virtual_stage(rank, chunk, self.num_stages)
 
     def steps(self, rank: int) -> list[Action | list[Action]]:
         """Rank's actions with each maximal run of comm actions grouped into one list (one batch)."""
@@ -97,8 +129,7 @@ class Schedule:
 
 def _check_args(name: str, num_stages: int, num_microbatches: int, num_model_chunks: int,
                 group_size: int | None) -> None:
-    if name not in SCHEDULE_NAMES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(SCHEDULE_NAMES)}")
+    _known(name)
     P, M, V = num_stages, num_microbatches, num_model_chunks
     for arg, value in (("num_stages", P), ("num_microbatches", M), ("num_model_chunks", V)):
         if not isinstance(value, int) or isinstance(value, bool):
@@ -137,28 +168,24 @@ def _check_args(name: str, num_stages: int, num_microbatches: int, num_model_chu
 
 
 # --- one chunk per rank: compute order, then comm next to the compute ---------------------------
-# Each of these returns, per rank, the ordered compute steps ("F" | "B", microbatch, chunk).
+# Each order is, per rank, the ordered compute steps ("F" | "B", microbatch, chunk).
+Order = list[list[tuple[str, int, int]]]
 
-def _no_pipelining_order(num_microbatches: int) -> list[list[tuple[str, int, int]]]:
+
+def _no_pipelining_order(P: int, M: int) -> Order:
     # Plain gradient accumulation: forward and backward each microbatch before the next.
-    order = []
-    for mb in range(num_microbatches):
-        order += [("F", mb, 0), ("B", mb, 0)]
-    return [order]
+    return [[(kind, mb, 0) for mb in range(M) for kind in ("F", "B")]]
 
 
-def _gpipe_order(num_stages: int, num_microbatches: int) -> list[list[tuple[str, int, int]]]:
-    order = [("F", mb, 0) for mb in range(num_microbatches)]
-    order += [("B", mb, 0) for mb in range(num_microbatches)]
-    return [list(order) for _ in range(num_stages)]
+def _gpipe_order(P: int, M: int) -> Order:
+    return [[("F", mb, 0) for mb in range(M)] + [("B", mb, 0) for mb in range(M)] for _ in range(P)]
 
 
-def _1f1b_order(num_stages: int, num_microbatches: int) -> list[list[tuple[str, int, int]]]:
+def _1f1b_order(P: int, M: int) -> Order:
     """Megatron's non-interleaved 1F1B (forward_backward_pipelining_without_interleaving)."""
-    P, M = num_stages, num_microbatches
     orders = []
     for rank in range(P):
-        warmup = min(P - rank - 1, M)  # forwards in flight before the first backward can arrive
+        warmup = num_warmup_microbatches("1f1b", rank, P, M)
         order = [("F", mb, 0) for mb in range(warmup)]
         for i in range(M - warmup):  # steady state: one forward, one backward
             order += [("F", warmup + i, 0), ("B", i, 0)]
@@ -167,8 +194,7 @@ def _1f1b_order(num_stages: int, num_microbatches: int) -> list[list[tuple[str, 
     return orders
 
 
-def _add_comm(num_stages: int, num_model_chunks: int,
-              orders: list[list[tuple[str, int, int]]]) -> list[list[Action]]:
+def _add_comm(num_stages: int, num_model_chunks: int, orders: Order) -> list[list[Action]]:
     """Put each RECV right before the compute that needs it and each SEND right after the one
     that produced it.  Consecutive comm actions then form one batch, so a 1F1B steady state
     gets Megatron's fused send_forward_recv_backward / send_backward_recv_forward."""
@@ -178,21 +204,34 @@ def _add_comm(num_stages: int, num_model_chunks: int,
         nxt, prev = (rank + 1) % P, (rank - 1) % P
         out = []
         for kind, mb, chunk in order:
-            v = chunk * P + rank
+            v = virtual_stage(rank, chunk, P)
             if kind == "F":
                 if v > 0:
-                    out.append(Action("RECV_F", mb, chunk, prev))
-                out.append(Action("F", mb, chunk))
+                    out.append(Action(ActionKind.RECV_F, mb, chunk, prev))
+                out.append(Action(ActionKind.F, mb, chunk))
                 if v < last:
-                    out.append(Action("SEND_F", mb, chunk, nxt))
+                    out.append(Action(ActionKind.SEND_F, mb, chunk, nxt))
             else:
                 if v < last:
-                    out.append(Action("RECV_B", mb, chunk, nxt))
-                out.append(Action("B", mb, chunk))
+                    out.append(Action(ActionKind.RECV_B, mb, chunk, nxt))
+                out.append(Action(ActionKind.B, mb, chunk))
                 if v > 0:
-                    out.append(Action("SEND_B", mb, chunk, prev))
+                    out.append(Action(ActionKind.SEND_B, mb, chunk, prev))
         actions.append(out)
     return actions
+
+
+def forward_only_schedule(schedule: Schedule) -> Schedule:
+    """Forwards only (evaluation, generation): each rank runs, microbatch by microbatch,
+    its chunks in order, receiving each input just before and sending each output just after.
+
+    Nothing flows in the other direction, so the chain cannot deadlock (the executor issues
+    its transfers one at a time: see ScheduleExecutor.run), and unlike the training
+    schedules it works for any number of microbatches (even one).
+    """
+    P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_model_chunks
+    orders = [[("F", mb, chunk) for mb in range(M) for chunk in range(V)] for _ in range(P)]
+    return Schedule(schedule.name + "/forward-only", P, M, V, _add_comm(P, V, orders))
 
 
 # --- interleaved 1F1B ---------------------------------------------------------------------------
@@ -234,20 +273,18 @@ def interleaved_schedule_table(groups: list[range], num_model_chunks: int) -> li
 def num_warmup_microbatches(name: str, rank: int, num_stages: int, num_microbatches: int,
                             num_model_chunks: int = 1,
                             microbatch_group_size_per_vp_stage: int | None = None) -> int:
-    """Forwards rank runs before its steady 1F1B phase (which then opens with one more forward)."""
+    """Forwards rank runs before its steady 1F1B phase (which then opens with one more forward).
+
+    The one place for the warm-up counts: the schedule builders below and the tests read it.
+    """
     P, M, V = num_stages, num_microbatches, num_model_chunks
-    if name == "no-pipelining":
-        return 0
-    if name == "gpipe":
-        return M
-    if name == "1f1b":
-        return min(P - rank - 1, M)
     if name == "interleaved-1f1b":
         first_group = len(interleaved_microbatch_groups(M, P, microbatch_group_size_per_vp_stage)[0])
         # Megatron's rule: the first group through every chunk but the last, plus 2 per
         # downstream rank (one step for the forward to reach it, one for the gradient to return).
         return min((P - rank - 1) * 2 + (V - 1) * first_group, M * V)
-    raise ValueError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(SCHEDULE_NAMES)}")
+    # 1F1B: the forwards in flight before the first backward can arrive.
+    return {"no-pipelining": 0, "gpipe": M, "1f1b": min(P - rank - 1, M)}[_known(name)]
 
 
 def _interleaved_actions(num_stages: int, num_microbatches: int, num_model_chunks: int,
@@ -267,8 +304,8 @@ def _interleaved_actions(num_stages: int, num_microbatches: int, num_model_chunk
     """
     P, M, V = num_stages, num_microbatches, num_model_chunks
     groups = interleaved_microbatch_groups(M, P, group_size)
-    forwards = [Action("F", mb, chunk) for mb, chunk in interleaved_schedule_table(groups, V)]
-    backwards = [Action("B", f.microbatch, V - 1 - f.chunk) for f in forwards]  # last chunk first
+    forwards = [Action(ActionKind.F, mb, chunk) for mb, chunk in interleaved_schedule_table(groups, V)]
+    backwards = [Action(ActionKind.B, f.microbatch, V - 1 - f.chunk) for f in forwards]  # last chunk first
     total, last_stage = M * V, P * V - 1
     # Levels count from rank 0's uncapped warm-up so that they line up across ranks even
     # where a warm-up is capped at `total`.
@@ -289,7 +326,7 @@ def _interleaved_actions(num_stages: int, num_microbatches: int, num_model_chunk
     step_of = {(rank, a): i for rank in range(P) for i, (acts, _) in enumerate(steps[rank]) for a in acts}
     batches: list[dict[int, list[Action]]] = [{level: [] for _, level in rank_steps} for rank_steps in steps]
     for (rank, a), i in step_of.items():
-        v = a.chunk * P + rank
+        v = virtual_stage(rank, a.chunk, P)
         if a.kind == "F" and v < last_stage:
             send_kind, recv_kind, other = "SEND_F", "RECV_F", v + 1
         elif a.kind == "B" and v > 0:
@@ -315,6 +352,29 @@ def _interleaved_actions(num_stages: int, num_microbatches: int, num_model_chunk
     return actions
 
 
+Builder = Callable[[int, int, int, Optional[int]], list[list[Action]]]  # (P, M, V, group size) -> actions
+
+
+def _one_chunk(order: Callable[[int, int], Order]) -> Builder:
+    return lambda P, M, V, G: _add_comm(P, V, order(P, M))
+
+
+# Name -> builder. A new schedule registers here; _check_args and the tests read the names.
+SCHEDULES: dict[str, Builder] = {
+    "no-pipelining": _one_chunk(_no_pipelining_order),
+    "gpipe": _one_chunk(_gpipe_order),
+    "1f1b": _one_chunk(_1f1b_order),
+    "interleaved-1f1b": _interleaved_actions,
+}
+SCHEDULE_NAMES = tuple(SCHEDULES)
+
+
+def _known(name: str) -> str:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(SCHEDULES)}")
+    return name
+
+
 def build_schedule(name: str, num_stages: int, num_microbatches: int, num_model_chunks: int = 1,
                    **kw) -> Schedule:
     """Build a schedule by name: 'no-pipelining', 'gpipe', '1f1b' or 'interleaved-1f1b'.
@@ -326,13 +386,5 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_model_
         raise TypeError(f"build_schedule got unexpected keyword arguments {sorted(kw)}; "
                         f"the only option is microbatch_group_size_per_vp_stage")
     _check_args(name, num_stages, num_microbatches, num_model_chunks, group_size)
-    P, M, V = num_stages, num_microbatches, num_model_chunks
-    if name == "no-pipelining":
-        orders = _no_pipelining_order(M)
-    elif name == "gpipe":
-        orders = _gpipe_order(P, M)
-    elif name == "1f1b":
-        orders = _1f1b_order(P, M)
-    else:
-        return Schedule(name, P, M, V, _interleaved_actions(P, M, V, group_size))
-    return Schedule(name, P, M, V, _add_comm(P, V, orders))
+    actions = SCHEDULES[name](num_stages, num_microbatches, num_model_chunks, group_size)
+    return Schedule(name, num_stages, num_microbatches, num_model_chunks, actions)

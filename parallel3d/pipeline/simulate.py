@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from parallel3d.pipeline.schedules import Action, Schedule, ScheduleError
+from parallel3d.pipeline.schedules import Action, Schedule, ScheduleError, virtual_stage
 
 Slot = tuple[int, int]  # (rank, index into that rank's action list)
 
@@ -32,10 +32,6 @@ class _Where:
 
     def __str__(self) -> str:
         return _where(self.rank, self.index, self.action)
-
-
-def _virtual_stage(schedule: Schedule, rank: int, chunk: int) -> int:
-    return chunk * schedule.num_stages + rank
 
 
 def _stage_location(schedule: Schedule, v: int) -> tuple[int, int]:
@@ -68,38 +64,28 @@ def _check_rank_order(schedule: Schedule, rank: int) -> None:
     sent: dict[str, set[tuple[int, int]]] = {"SEND_F": set(), "SEND_B": set()}
 
     for i, a in enumerate(schedule.actions[rank]):
-        key, v = (a.microbatch, a.chunk), _virtual_stage(schedule, rank, a.chunk)
+        key, v = (a.microbatch, a.chunk), virtual_stage(rank, a.chunk, schedule.num_stages)
         here = _Where(rank, i, a)  # formatted only if an error is raised
-        if a.kind == "F":
-            if key in done["F"]:
-                raise ScheduleError(f"{here}: forward of microbatch {a.microbatch} chunk {a.chunk} runs twice")
-            if v > 0:
-                src_rank, src_chunk = _stage_location(schedule, v - 1)
-                if src_rank == rank and (a.microbatch, src_chunk) not in done["F"]:
-                    raise ScheduleError(f"{here}: needs F{a.microbatch}.{src_chunk} earlier on this rank")
-                if src_rank != rank:
-                    if key not in received["RECV_F"] or key in consumed["RECV_F"]:
-                        raise ScheduleError(f"{here}: needs the output of virtual stage {v - 1} "
-                                            f"(rank {src_rank}), but no RECV_F{a.microbatch}.{a.chunk} "
-                                            f"precedes it")
-                    consumed["RECV_F"].add(key)
-            done["F"].add(key)
-        elif a.kind == "B":
-            if key in done["B"]:
-                raise ScheduleError(f"{here}: backward of microbatch {a.microbatch} chunk {a.chunk} runs twice")
-            if key not in done["F"]:
+        if not a.is_comm:
+            forward = a.kind == "F"
+            if key in done[a.kind]:
+                raise ScheduleError(f"{here}: {'forward' if forward else 'backward'} of microbatch {a.microbatch} "
+                                    f"chunk {a.chunk} runs twice")
+            if not forward and key not in done["F"]:
                 raise ScheduleError(f"{here}: backward before its forward F{a.microbatch}.{a.chunk}")
-            if v < last:
-                dst_rank, dst_chunk = _stage_location(schedule, v + 1)
-                if dst_rank == rank and (a.microbatch, dst_chunk) not in done["B"]:
-                    raise ScheduleError(f"{here}: needs B{a.microbatch}.{dst_chunk} earlier on this rank")
-                if dst_rank != rank:
-                    if key not in received["RECV_B"] or key in consumed["RECV_B"]:
-                        raise ScheduleError(f"{here}: needs the output gradient of virtual stage {v + 1} "
-                                            f"(rank {dst_rank}), but no RECV_B{a.microbatch}.{a.chunk} "
-                                            f"precedes it")
-                    consumed["RECV_B"].add(key)
-            done["B"].add(key)
+            # A forward needs the previous virtual stage's output, a backward the next one's gradient.
+            src_v, recv = (v - 1, "RECV_F") if forward else (v + 1, "RECV_B")
+            if 0 <= src_v <= last:
+                src_rank, src_chunk = _stage_location(schedule, src_v)
+                if src_rank == rank and (a.microbatch, src_chunk) not in done[a.kind]:
+                    raise ScheduleError(f"{here}: needs {a.kind}{a.microbatch}.{src_chunk} earlier on this rank")
+                if src_rank != rank:
+                    if key not in received[recv] or key in consumed[recv]:
+                        raise ScheduleError(f"{here}: needs the {'output' if forward else 'output gradient'} of "
+                                            f"virtual stage {src_v} (rank {src_rank}), but no {recv}"
+                                            f"{a.microbatch}.{a.chunk} precedes it")
+                    consumed[recv].add(key)
+            done[a.kind].add(key)
         else:
             forward = a.kind.endswith("_F")
             # The other side of this message: the next virtual stage for forward sends and
@@ -156,7 +142,7 @@ def _match_messages(schedule: Schedule) -> dict[Slot, Slot]:
         s_list, r_list = sends.get((src, dst), []), recvs.get((src, dst), [])
         for k, (si, ri) in enumerate(zip(s_list, r_list)):
             s, r = schedule.actions[src][si], schedule.actions[dst][ri]
-            s_v, r_v = _virtual_stage(schedule, src, s.chunk), _virtual_stage(schedule, dst, r.chunk)
+            s_v, r_v = virtual_stage(src, s.chunk, schedule.num_stages), virtual_stage(dst, r.chunk, schedule.num_stages)
             step = 1 if s.kind == "SEND_F" else -1
             if s.kind[-1] != r.kind[-1] or s.microbatch != r.microbatch or s_v + step != r_v:
                 raise ScheduleError(
@@ -311,7 +297,9 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
 
     stage_costs gives (forward, backward) time per (rank, chunk), either as a mapping
     {(rank, chunk): (f, b)} (missing entries use forward_time/backward_time) or as a nested
-    sequence stage_costs[rank][chunk].  Validates the schedule first.
+    sequence stage_costs[rank][chunk].  Checks first that the schedule is complete and its messages
+    match (and _run that it cannot deadlock); unlike validate() it does not require the two sides of
+    a message to sit in batches that pair up, so a forward-only chain can be timed too.
     """
     if min(forward_time, backward_time, comm_time) < 0:
         raise ValueError(f"times must be >= 0, got forward_time={forward_time}, "

@@ -31,7 +31,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from .utils import divide, group_rank_and_size, resolve_tp_group, vocab_range
+from .utils import divide, group_rank_and_size, resolve_tp_group, split_tensor_for_rank, vocab_range
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -61,27 +61,43 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) ->
     return getattr(param, "tensor_model_parallel", False) or tp_rank == 0
 
 
-def _init_partition(
-    weight: torch.Tensor,
-    full_shape: tuple[int, int],
-    partition_dim: int,
-    init_method: InitMethod,
-    rank: int,
-    world_size: int,
-    stride: int = 1,
-) -> None:
-    """Initialise the full weight on the CPU in fp32 and copy this rank's slice into ``weight``.
-
-    With ``stride`` s the partition dim is seen as s blocks (e.g. SwiGLU's [gate; up])
-    and each rank takes its slice of every block, as Megatron does.
-    """
+def _init_partition(weight: torch.Tensor, full_shape: tuple[int, int], partition_dim: int, init_method: InitMethod,
+                    rank: int, world_size: int, stride: int = 1) -> None:
+    """Initialise the full weight on the CPU in fp32 and copy this rank's slice into ``weight``
+    (:func:`split_tensor_for_rank`'s layout: with ``stride`` s, this rank's slice of each of s blocks)."""
     master = torch.empty(full_shape, dtype=torch.float32)
     init_method(master)
-    per_block = divide(full_shape[partition_dim], stride * world_size, "partitioned dimension")
-    pieces = torch.split(master, per_block, dim=partition_dim)
-    mine = torch.cat(pieces[rank::world_size], dim=partition_dim)
     with torch.no_grad():
-        weight.copy_(mine.to(weight.dtype))
+        weight.copy_(split_tensor_for_rank(master, partition_dim, stride, rank, world_size).to(weight.dtype))
+
+
+class _ParallelLinear(nn.Module):
+    """What Column- and RowParallelLinear share: the group, the flags, the partitioned weight."""
+
+    def _build(self, input_size: int, output_size: int, partition_dim: int, *, tp_group, sequence_parallel: bool,
+               gradient_accumulation_fusion: bool, params_dtype: torch.dtype, device: Optional[torch.device],
+               init_method: Optional[InitMethod], stride: int, allocate_weight: bool = True) -> int:
+        """Set the common attributes and the weight (split along ``partition_dim``); return the TP size."""
+        self.tp_group = resolve_tp_group(tp_group)
+        rank, world = group_rank_and_size(self.tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.sequence_parallel = sequence_parallel and world > 1
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.device = device or default_device()
+        self.weight = None  # supplied at forward time without allocation (e.g. a tied output layer)
+        if allocate_weight:
+            shape = [output_size, input_size]
+            what = f"{type(self).__name__} {'output' if partition_dim == 0 else 'input'}_size"
+            shape[partition_dim] = divide(shape[partition_dim], world, what)
+            self.weight = nn.Parameter(torch.empty(shape, dtype=params_dtype, device=self.device))
+            _init_partition(self.weight, (output_size, input_size), partition_dim,
+                            init_method or init_method_normal(0.02), rank, world, stride)
+            set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride)
+        return world
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size}, weight={None if self.weight is None else tuple(self.weight.shape)}, "
+                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -175,7 +191,7 @@ def linear_with_grad_accumulation_and_async_allreduce(
     )
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_ParallelLinear):
     """Y = X A + b with A split along its output (column) dim across TP ranks.
 
     Input [s, b, in] (a sequence shard [s/tp, b, in] with ``sequence_parallel``);
@@ -204,29 +220,18 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True is incompatible with sequence_parallel=True")
-        self.tp_group = resolve_tp_group(tp_group)
-        rank, world = group_rank_and_size(self.tp_group)
-        self.input_size, self.output_size = input_size, output_size
+        world = self._build(input_size, output_size, 0, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                            gradient_accumulation_fusion=gradient_accumulation_fusion, params_dtype=params_dtype,
+                            device=device, init_method=init_method, stride=stride,
+                            allocate_weight=not skip_weight_param_allocation)
         self.output_size_per_partition = divide(output_size, world, "ColumnParallelLinear output_size")
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
-        self.sequence_parallel = sequence_parallel and world > 1
-        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.allreduce_dgrad = world > 1 and not self.sequence_parallel
-        device = device or default_device()
-        init_method = init_method or init_method_normal(0.02)
-
-        if skip_weight_param_allocation:
-            self.weight = None  # supplied at forward time (e.g. a tied output layer)
-        else:
-            self.weight = nn.Parameter(
-                torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype, device=device)
-            )
-            _init_partition(self.weight, (output_size, input_size), 0, init_method, rank, world, stride)
-            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
         if bias:
             # Megatron initialises biases to zero; zero slices are layout-independent.
-            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype, device=device))
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype,
+                                                 device=self.device))
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
         else:
             self.register_parameter("bias", None)
@@ -242,8 +247,6 @@ class ColumnParallelLinear(nn.Module):
                     f"supplied weight has shape {tuple(weight.shape)}, expected "
                     f"{(self.output_size_per_partition, self.input_size)}"
                 )
-            # A supplied weight (tied embedding) has gradients from elsewhere too: see zero_out_wgrad.
-            weight.zero_out_wgrad = True
         bias = self.bias if not self.skip_bias_add else None
         out = linear_with_grad_accumulation_and_async_allreduce(
             x, weight, bias, self.gradient_accumulation_fusion, self.allreduce_dgrad,
@@ -256,12 +259,8 @@ class ColumnParallelLinear(nn.Module):
                 out_bias = gather_from_tensor_model_parallel_region(out_bias, self.tp_group)
         return out, out_bias
 
-    def extra_repr(self) -> str:
-        return (f"in={self.input_size}, out={self.output_size}, out_per_partition={self.output_size_per_partition}, "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
 
-
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Y = X A + b with A split along its input (row) dim across TP ranks.
 
     Input [s, b, in/tp] (``input_is_parallel``, the usual case after a
@@ -286,26 +285,16 @@ class RowParallelLinear(nn.Module):
         tp_group: Optional[dist.ProcessGroup] = None,
     ):
         super().__init__()
-        self.tp_group = resolve_tp_group(tp_group)
-        rank, world = group_rank_and_size(self.tp_group)
+        world = self._build(input_size, output_size, 1, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                            gradient_accumulation_fusion=gradient_accumulation_fusion, params_dtype=params_dtype,
+                            device=device, init_method=init_method, stride=stride)
         if sequence_parallel and not input_is_parallel and world > 1:
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
-        self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, world, "RowParallelLinear input_size")
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
-        self.sequence_parallel = sequence_parallel and world > 1
-        self.gradient_accumulation_fusion = gradient_accumulation_fusion
-        device = device or default_device()
-        init_method = init_method or init_method_normal(0.02)
-
-        self.weight = nn.Parameter(
-            torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype, device=device)
-        )
-        _init_partition(self.weight, (output_size, input_size), 1, init_method, rank, world, stride)
-        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=self.device))
             # Replicated; applied to a sequence shard under SP, so its gradient needs a TP sum.
             self.bias.sequence_parallel = self.sequence_parallel
         else:
@@ -323,10 +312,6 @@ class RowParallelLinear(nn.Module):
         if self.skip_bias_add or self.bias is None:
             return out, (self.bias if self.skip_bias_add else None)
         return out + self.bias, None
-
-    def extra_repr(self) -> str:
-        return (f"in={self.input_size}, in_per_partition={self.input_size_per_partition}, out={self.output_size}, "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
 
 
 def vocab_size_with_padding(

@@ -120,7 +120,7 @@ def model_parallel_cuda_manual_seed(seed: int, tp_rank: int | None = None) -> No
     if tp_rank is None:
         from parallel3d import parallel_state
 
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp_rank = parallel_state.resolve_parallel_state().tensor_model_parallel_rank
     _manual_seed(seed)
     _TRACKER.reset()
     _TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)

@@ -17,12 +17,8 @@ def divide(numerator: int, denominator: int, what: str = "value") -> int:
 
 
 def resolve_tp_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """The explicit group if given, else the default TP group, else None (a single process)."""
-    if group is not None:
-        return group
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_group()
-    return None
+    """The explicit group if given, else the default TP group (None: one process without torch.distributed)."""
+    return group if group is not None else parallel_state.resolve_parallel_state().tensor_model_parallel_group
 
 
 def group_rank_and_size(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:

@@ -43,6 +43,7 @@ from parallel3d.checkpointing import (
     read_metadata,
 )
 from parallel3d.pipeline.partition import partition_layers
+from parallel3d.pipeline.schedules import virtual_stage
 from parallel3d.safetensors_stream import StreamingSafetensorsWriter
 
 from .schema import ConversionError, ParamSpec, embedding_specs, head_specs, layer_specs, merge, shard
@@ -83,7 +84,7 @@ def expected_rank_tensors(config: TransformerConfig, counts: list[int], pp_rank:
     out: dict[str, tuple[ParamSpec, str, Optional[int]]] = {}
     last = pp * vp - 1
     for chunk in range(vp):
-        v = chunk * pp + pp_rank
+        v = virtual_stage(pp_rank, chunk, pp)
         if v == 0:
             for name, spec in embedding_specs(config).items():
                 out[f"model{chunk}.{name}"] = (spec, "embedding", None)

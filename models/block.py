@@ -1,0 +1,96 @@
+"""A pre-norm transformer layer and the block of layers one model chunk holds (with recompute)."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel3d import tensor_parallel
+from parallel3d.fused import bias_dropout_add
+
+from .attention import InferenceParams, SelfAttention
+from .config import TransformerConfig
+from .mlp import MLP
+from .ops import Norm, dropout_rng, init_rng, plain_bias_dropout_add
+
+# --- transformer layer and block ----------------------------------------------------------------
+
+class TransformerLayer(nn.Module):
+    """Pre-norm layer: x + attn(norm(x)), then x + mlp(norm(x)), each with bias-dropout-add."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, tp_group: Optional[dist.ProcessGroup]):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number  # global, 1-based (Megatron's)
+        self.input_layernorm = Norm(config, config.hidden_size)
+        self.self_attention = SelfAttention(config, layer_number, tp_group)
+        self.pre_mlp_layernorm = Norm(config, config.hidden_size)
+        self.mlp = MLP(config, tp_group)
+        self.bias_dropout_add = bias_dropout_add if config.bias_dropout_fusion else plain_bias_dropout_add
+
+    def _residual(self, out_with_bias, residual: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        out, bias = out_with_bias
+        with dropout_rng(cfg.sequence_parallel, self.training and cfg.hidden_dropout > 0):
+            return self.bias_dropout_add(out, bias, residual, cfg.hidden_dropout, self.training)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                rotary_pos_emb: Optional[torch.Tensor],
+                inference_params: Optional[InferenceParams] = None) -> torch.Tensor:
+        post_ln_residual = self.config.apply_residual_connection_post_layernorm
+        normed = self.input_layernorm(hidden_states)
+        attention = self.self_attention(normed, attention_mask, rotary_pos_emb, inference_params)
+        hidden_states = self._residual(attention, normed if post_ln_residual else hidden_states)
+        normed = self.pre_mlp_layernorm(hidden_states)
+        return self._residual(self.mlp(normed), normed if post_ln_residual else hidden_states)
+
+
+class TransformerBlock(nn.Module):
+    """The layers of one model chunk (global indices ``layer_numbers``) and, on the last, the final norm."""
+
+    def __init__(self, config: TransformerConfig, layer_numbers: range, post_process: bool,
+                 tp_group: Optional[dist.ProcessGroup]):
+        super().__init__()
+        self.config = config
+        layers = []
+        for index in layer_numbers:
+            with init_rng(config.seed, f"decoder.layers.{index}"):
+                layers.append(TransformerLayer(config, index + 1, tp_group))
+        self.layers = nn.ModuleList(layers)
+        if post_process:
+            self.final_layernorm = Norm(config, config.hidden_size)
+        else:
+            self.final_layernorm = None
+
+    def _run(self, start: int, end: int) -> Callable:
+        def run(hidden_states, attention_mask, rotary_pos_emb, inference_params=None):
+            for layer in self.layers[start:end]:
+                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb, inference_params)
+            return hidden_states
+
+        return run
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                rotary_pos_emb: Optional[torch.Tensor],
+                inference_params: Optional[InferenceParams] = None) -> torch.Tensor:
+        cfg, n = self.config, len(self.layers)
+        if cfg.recompute_granularity == "full" and self.training and inference_params is None:
+            k = cfg.recompute_num_layers
+            if cfg.recompute_method == "uniform":  # every group of k layers keeps only its input
+                for start in range(0, n, k):
+                    hidden_states = tensor_parallel.checkpoint(
+                        self._run(start, min(start + k, n)), hidden_states, attention_mask, rotary_pos_emb)
+            else:  # "block": the first k layers of the chunk are recomputed, the rest keep activations
+                for i in range(n):
+                    if i < k:
+                        hidden_states = tensor_parallel.checkpoint(
+                            self._run(i, i + 1), hidden_states, attention_mask, rotary_pos_emb)
+                    else:
+                        hidden_states = self.layers[i](hidden_states, attention_mask, rotary_pos_emb)
+        else:
+            hidden_states = self._run(0, n)(hidden_states, attention_mask, rotary_pos_emb, inference_params)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states

@@ -1,0 +1,135 @@
+"""The elementwise ops of the GPT layers (fused kernels and plain PyTorch), init and dropout RNG helpers, Norm."""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel3d.device import default_device
+from parallel3d.fused import layer_norm, rms_norm
+from parallel3d.tensor_parallel import (
+    get_cuda_rng_tracker,
+)
+from parallel3d.tensor_parallel.layers import InitMethod
+
+from .config import TransformerConfig
+
+_HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
+
+# --- fused-op wrappers --------------------------------------------------------------------------
+# The model calls parallel3d.fused's ops (CUDA kernels, with PyTorch fallbacks off the GPU) where
+# the matching config flag is on, and these plain_* compositions where it is off.
+
+def plain_bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "tanh") -> torch.Tensor:
+    """GeLU of x + bias; "tanh" is Megatron's fused formula and HF GPT-2's gelu_new, "none" is erf."""
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)
+
+
+def plain_bias_swiglu(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """SwiGLU of x + bias, whose last dim is [gate; up]: silu(gate) * up."""
+    gate, up = torch.chunk(x if bias is None else x + bias, 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def plain_bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
+                            prob: float, training: bool) -> torch.Tensor:
+    """residual + dropout(x + bias)."""
+    out = x if bias is None else x + bias
+    return residual + F.dropout(out, p=prob, training=training)
+
+
+def plain_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim; torch's kernels keep the statistics in fp32 for bf16/fp16 x."""
+    return F.layer_norm(x, (x.size(-1),), weight, bias, eps)
+
+
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: normalised in fp32, cast to x's dtype, times weight (HF LLaMA's order)."""
+    if _HAS_RMS_NORM:  # the same formula, one kernel on recent CUDA builds
+        return F.rms_norm(x, (x.size(-1),), weight, eps)
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def plain_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """RoPE on t [s, b, n, d] with freqs [s, 1, 1, rot] (Megatron's / HF LLaMA's rotate-half).
+
+    Only the first ``rot`` channels of each head rotate (rotary_percent < 1 leaves the rest).
+    """
+    rot = freqs.size(-1)
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    x1, x2 = torch.chunk(t_rot, 2, dim=-1)
+    out = t_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if t_pass.size(-1) == 0 else torch.cat((out, t_pass), dim=-1)
+
+
+def plain_scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax(scale * x) over the last dim of x [batches, sq, sk], in x's dtype."""
+    sq, sk = x.shape[-2:]
+    future = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(1)
+    return torch.softmax((x * scale).masked_fill(future, float("-inf")), dim=-1)
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def init_rng(seed: int, part: str):
+    """Draw initial values for ``part`` from their own CPU sub-seed; restore the caller's RNG after.
+
+    Only the CPU generator is touched (all masters are initialised on the CPU), so the
+    accelerator's dropout streams are left alone.
+    """
+    state = torch.get_rng_state()
+    torch.default_generator.manual_seed(zlib.crc32(f"{seed}/{part}".encode()))
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
+
+
+def vocab_init(init_method: InitMethod, vocab_size: int) -> InitMethod:
+    """Initialise the real vocabulary rows, zero the padding (as VocabParallelEmbedding does)."""
+
+    def init_(weight: torch.Tensor) -> None:
+        weight.zero_()
+        init_method(weight[:vocab_size])
+
+    return init_
+
+
+def dropout_rng(sequence_parallel: bool, active: bool):
+    """Dropout on a TP-split or sequence-sharded tensor runs on the per-rank tracked stream."""
+    return get_cuda_rng_tracker().fork() if (sequence_parallel and active) else contextlib.nullcontext()
+
+
+def mark_sequence_parallel(module: nn.Module, sequence_parallel: bool) -> None:
+    for p in module.parameters():
+        p.sequence_parallel = sequence_parallel
+
+
+class Norm(nn.Module):
+    """LayerNorm (weight, bias) or RMSNorm (weight) over the hidden dim, statistics in fp32."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int):
+        super().__init__()
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = config.layernorm_epsilon
+        self.fused = config.normalization_fusion
+        device, dtype = default_device(), config.params_dtype
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        if self.rms:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+        # Under SP a norm sees a sequence shard: its gradient must be summed over TP.
+        mark_sequence_parallel(self, config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return (rms_norm if self.fused else plain_rms_norm)(x, self.weight, self.eps)
+        return (layer_norm if self.fused else plain_layer_norm)(x, self.weight, self.bias, self.eps)
