@@ -34,18 +34,51 @@ class GemmCurve:
     @classmethod
     def fit(cls, points: list[tuple[int, int, int, float]], peak_tflops: float,
             wgrad_factor: float = 1.0) -> "GemmCurve":
-        """Least-squares fit of peak/achieved = a + b * (1/m + 1/n + 1/k) to (m, n, k, TFLOP/s) points."""
+        """Fit the curve to measured (m, n, k, TFLOP/s) points, by least squares on relative time error.
+
+        Model of a measured time: t = F / (peak * max_efficiency) * (1 + half_dim * x) + t0, with
+        F = 2mnk and x = 1/m + 1/n + 1/k; linear in (1/max_efficiency, half_dim/max_efficiency, t0).
+        t0 absorbs a fixed cost per timed call: CUDA events around ONE kernel launched on an idle GPU
+        also time the host's dispatch (~25 us in torch), which made the 1024^3 GEMM read 69 TFLOP/s.
+        Without t0 the small shapes dragged the fit to a negative max_efficiency (a pole near x =
+        1/2000, i.e. wildly wrong rates for every transformer shape).  t0 is NOT part of the curve:
+        inside a training step the host runs ahead and kernels start back to back
+        (ClusterSpec.kernel_launch_us keeps the per-kernel gap).
+        """
         if not points:
             raise ValueError("GemmCurve.fit needs at least one measured GEMM")
-        xs = [1.0 / m + 1.0 / n + 1.0 / k for m, n, k, _ in points]
-        ys = [peak_tflops / t for *_, t in points]
-        if len(points) == 1 or max(xs) - min(xs) < 1e-12:
-            return cls(peak_tflops, 1.0 / (sum(ys) / len(ys)), 0.0, wgrad_factor)
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        b = max(b, 0.0)  # a curve that improves as shapes shrink is measurement noise
-        a = my - b * mx
-        return cls(peak_tflops, 1.0 / a, b / a, wgrad_factor)
+        rows = []  # (features / t, 1): minimises the sum of squared relative errors
+        for m, n, k, tflops in points:
+            flops = 2.0 * m * n * k
+            t = flops / (tflops * 1e12)
+            base = flops / (peak_tflops * 1e12)
+            rows.append((base / t, base * (1.0 / m + 1.0 / n + 1.0 / k) / t, 1.0 / t))
+        for cols in ((0, 1, 2), (0, 1), (0,)):  # drop t0, then the shape term, if the fit makes them negative
+            if len(points) < len(cols):
+                continue
+            sol = _least_squares([[r[c] for c in cols] for r in rows], [1.0] * len(rows))
+            if sol is not None and sol[0] > 0 and all(v >= 0 for v in sol[1:]):
+                inv_eff, slope = sol[0], (sol[1] if len(sol) > 1 else 0.0)
+                return cls(peak_tflops, 1.0 / inv_eff, slope / inv_eff, wgrad_factor)
+        raise ValueError(f"could not fit a GEMM curve to {points}")
+
+
+def _least_squares(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve min |a x - b| through the normal equations (a few unknowns; no numpy dependency)."""
+    n = len(a[0])
+    ata = [[sum(r[i] * r[j] for r in a) for j in range(n)] for i in range(n)]
+    atb = [sum(r[i] * y for r, y in zip(a, b)) for i in range(n)]
+    for col in range(n):  # Gauss-Jordan with partial pivoting
+        piv = max(range(col, n), key=lambda r: abs(ata[r][col]))
+        if abs(ata[piv][col]) < 1e-300:
+            return None
+        ata[col], ata[piv], atb[col], atb[piv] = ata[piv], ata[col], atb[piv], atb[col]
+        for r in range(n):
+            if r != col:
+                f = ata[r][col] / ata[col][col]
+                ata[r] = [x - f * y for x, y in zip(ata[r], ata[col])]
+                atb[r] -= f * atb[col]
+    return [atb[i] / ata[i][i] for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -66,6 +99,12 @@ class ClusterSpec:
     intra_latency_us: float = 10.0  # per ring step inside a node
     inter_latency_us: float = 20.0  # per ring step across nodes
     kernel_launch_us: float = 4.0  # per GEMM / elementwise kernel; matters for small shapes
+    # Memory-bound kernels (norms, activations, adds, copies, reductions) as a fraction of copy_gbs.
+    # 0.86: the byte-weighted mean of parallel3d's LayerNorm (87% fwd, 74% bwd), bias-GeLU (95%,
+    # 93%) and bias-dropout-add (93%, 83%) kernels measured on H100 at GPT-1.3B sizes
+    # (BENCHMARKS.md, "Fused kernels"); torch's own elementwise kernels land in the same range.
+    elementwise_efficiency: float = 0.86
+    optimizer_gbs: float = 0.0  # fused AdamW, 28 B/param over its time (calibrated); 0: elementwise rate
     context_gib: float = 2.0  # CUDA context, NCCL buffers, cuBLAS workspaces: outside max_memory_allocated
     fragmentation: float = 0.10  # caching-allocator reserve over the allocated peak (see docs/planning.md)
     notes: str = ""
