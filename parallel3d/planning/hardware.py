@@ -139,24 +139,26 @@ def load_cluster(path: str) -> ClusterSpec:
         return cluster_from_dict(json.load(f))
 
 
-# H100 SXM: 989.4 TFLOP/s dense bf16.  The 8192^3 bf16 GEMM measured 778-798 TFLOP/s here
-# (80% of peak); half_dim 150 also gives the measured 768 TFLOP/s of the [16384, 4096]^T x
-# [16384, 4096] weight-gradient GEMM (BENCHMARKS.md), max_efficiency then follows from 8192^3.
-# The fp32-accumulating weight-gradient GEMM ran at 666-768 vs ~790 TFLOP/s: wgrad_factor 0.9.
-_H100_GEMM = GemmCurve(peak_tflops=989.4, max_efficiency=0.84, half_dim=150.0, wgrad_factor=0.9)
+# H100 SXM: 989.4 TFLOP/s dense bf16.  The curve is GemmCurve.fit of the 12 GEMMs measured by
+# bench/calibrate_planner.py on 2 x H100 80GB HBM3 (2026-11-26; bench/clusters/h100-sxm-2x.json):
+# 776 TFLOP/s at 8192^3 (curve 780), 582-754 at GPT-1.3B's layer shapes.  The weight-gradient GEMM
+# accumulated into fp32 ran at 0.98 of the plain one there (0.93-1.0 in BENCHMARKS.md's fused table).
+_H100_GEMM = GemmCurve(peak_tflops=989.4, max_efficiency=0.813, half_dim=84.4, wgrad_factor=0.98)
 
 # A100 SXM 80GB: 312 TFLOP/s dense bf16/fp16.  SC21 prints no GEMM benchmark, only that its
 # best end-to-end runs reach 52% of peak (163 TFLOP/s).  ASSUMPTION: cuBLAS on A100 reaches the
-# same fraction of peak by shape as we measured on H100 (80% at 8192^3, ~250 TFLOP/s), so the A100
+# same fraction of peak by shape as we measured on H100 (79% at 8192^3, ~245 TFLOP/s), so the A100
 # curve is the H100 curve scaled to 312.  ONE curve for all five models; nothing is fitted per row.
-_A100_GEMM = GemmCurve(peak_tflops=312.0, max_efficiency=0.84, half_dim=150.0, wgrad_factor=0.95)
+_A100_GEMM = GemmCurve(peak_tflops=312.0, max_efficiency=0.813, half_dim=84.4, wgrad_factor=0.95)
 
 _H100_COMMON = dict(
     memory_gib=79.1, gemm=_H100_GEMM,
-    copy_gbs=2960.0,  # measured device-to-device copy (BENCHMARKS.md)
-    attention_fwd_efficiency=0.32, attention_bwd_efficiency=0.26,  # SDPA flash (FA2: ~320 and ~260 TFLOP/s causal, hd 128)
-    intra_busbw_gbs=329.0,  # measured 2-GPU NVLink all-reduce of 1 GiB, bus bandwidth
-    intra_p2p_gbs=219.0,  # measured p2p each way (H200 machine, same NVLink 4)
+    copy_gbs=2953.0,  # measured device-to-device copy of 1 GiB (calibration; 2.96 TB/s in BENCHMARKS.md)
+    # SDPA flash, causal, b 4, 16 heads, s 2048, head dim 128, measured: 0.164 ms forward (420 TFLOP/s)
+    # and 0.552 ms backward (311 TFLOP/s counting 2.5x the forward FLOPs).
+    attention_fwd_efficiency=0.424, attention_bwd_efficiency=0.314,
+    intra_busbw_gbs=328.0,  # measured 2-GPU NVLink all-reduce of 1 GiB, bus bandwidth
+    intra_p2p_gbs=365.0,  # measured 1 GiB send rank 0 -> rank 1 (NVLink 4)
 )
 
 PRESETS: dict[str, ClusterSpec] = {
@@ -169,13 +171,14 @@ PRESETS: dict[str, ClusterSpec] = {
         nic_gbs=22.5,  # 8 x 200 Gb/s HDR per node = 25 GB/s per GPU, ~90% achieved
         notes="SC21 (Narayanan et al. 2021) Selene: DGX A100 80GB, NVLink 3, 8 x HDR InfiniBand per node"),
     "h100-sxm": ClusterSpec(name="h100-sxm", gpus_per_node=8, num_nodes=1, nic_gbs=45.0,
-                            notes="one 8-GPU H100 SXM node; link figures measured on 2 GPUs",
+                            notes="one 8-GPU H100 SXM node; the figures of bench/clusters/h100-sxm-2x.json (2 GPUs)",
                             **_H100_COMMON),
     "h100-8x64": ClusterSpec(name="h100-8x64", gpus_per_node=8, num_nodes=64,
                              nic_gbs=45.0,  # 8 x 400 Gb/s NDR per node = 50 GB/s per GPU, ~90% achieved
                              notes="64 nodes of 8 H100 SXM, 8 x 400 Gb/s InfiniBand per node", **_H100_COMMON),
     "h200": ClusterSpec(name="h200", gpus_per_node=8, num_nodes=1, nic_gbs=45.0,
-                        **{**_H100_COMMON, "memory_gib": 139.8, "copy_gbs": 4240.0, "intra_busbw_gbs": 325.0},
+                        **{**_H100_COMMON, "memory_gib": 139.8, "copy_gbs": 4240.0, "intra_busbw_gbs": 325.0,
+                           "intra_p2p_gbs": 219.0},  # measured on an H200 machine
                         notes="one 8-GPU H200 node: H100 compute, 141 GB HBM3e, copy 4.24 TB/s measured"),
 }
 PRESETS["h200-8x64"] = dataclasses.replace(PRESETS["h200"], name="h200-8x64", num_nodes=64,
