@@ -28,8 +28,12 @@ GEMM_SHAPES = [  # (m, n, k): tokens x out x in of GPT layers at mbs 1-4, seq 20
     (8192, 8192, 8192), (4096, 4096, 4096), (2048, 2048, 2048), (1024, 1024, 1024),
     (8192, 6144, 2048), (8192, 2048, 2048), (8192, 8192, 2048), (8192, 2048, 8192),
     (16384, 4096, 4096), (4096, 16384, 4096), (2048, 50304, 2048), (16384, 1024, 4096),
+    # GPT-1.3B's own shapes at TP=2 (qkv, proj, proj's weight gradient, fc1) and its output layer
+    (8192, 3072, 2048), (8192, 2048, 1024), (2048, 1024, 8192), (8192, 4096, 2048), (8192, 50304, 2048),
 ]
-COLLECTIVE_MIB = 1024  # message size of the collective measurements (bandwidth-bound)
+COLLECTIVE_MIB = 1024  # message size of the bandwidth measurement
+LAYER_MIB = 32  # ... and of one GPT-1.3B activation (8192 tokens x 2048 x bf16): what a TP all-reduce moves
+ADAM_PARAMS = 2 ** 27  # fp32 elements of the fused-AdamW measurement (2 GiB of param, grad, m, v)
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -48,27 +52,53 @@ def cluster_json(base: str, m: dict) -> dict:
     d["gemm"] = {"peak_tflops": d["gemm"]["peak_tflops"], "points": m["gemm_points"],
                  "wgrad_factor": m.get("wgrad_factor", d["gemm"]["wgrad_factor"])}
     for key in ("copy_gbs", "attention_fwd_efficiency", "attention_bwd_efficiency", "intra_busbw_gbs",
-                "intra_p2p_gbs", "memory_gib"):
+                "intra_p2p_gbs", "memory_gib", "optimizer_gbs", "intra_latency_us"):
         if key in m:
             d[key] = m[key]
     d["notes"] = f"calibrated on {m.get('gpu', '?')} by bench/calibrate_planner.py; " + json.dumps(m.get("raw", {}))
     return d
 
 
-def _time(fn, reps: int = 20) -> float:
-    """Median seconds of fn() over reps, CUDA events, after 3 warm-up calls."""
+def _time(fn, reps: int = 20, min_window_s: float = 0.0, inner: int = 1) -> float:
+    """Median seconds of one fn() over reps, CUDA events, after 3 warm-up calls.
+
+    Events around ONE call on an idle GPU also time the host's dispatch (~25 us in torch: the
+    1024^3 GEMM read 69 TFLOP/s that way); with ``min_window_s`` each timed window runs fn back to
+    back often enough to last that long, so the device time dominates.  Collectives pass a fixed
+    ``inner`` instead: every rank must make the same number of calls.
+    """
     import torch
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(reps):
+    if min_window_s > 0:
+        torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+        inner = max(1, min(100, round(min_window_s / max(a.elapsed_time(b) / 1e3, 1e-6))))
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / inner)
     return statistics.median(times)
+
+
+def measure_adam() -> float:
+    """Fused AdamW (what parallel3d's optimizer runs on CUDA) in GB/s, counting 28 B per parameter."""
+    import torch
+    p = torch.zeros(ADAM_PARAMS, device="cuda", dtype=torch.float32, requires_grad=True)
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    t = _time(opt.step, reps=10)
+    del opt, p
+    return 28 * ADAM_PARAMS / t / 1e9
 
 
 def measure_local(peak_tflops: float) -> dict:
@@ -81,7 +111,7 @@ def measure_local(peak_tflops: float) -> dict:
     for m, n, k in GEMM_SHAPES:
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
-        t = _time(lambda: a @ b)
+        t = _time(lambda: a @ b, min_window_s=2e-3)
         points.append([m, n, k, 2 * m * n * k / t / 1e12])
         del a, b
     out["gemm_points"] = points
@@ -89,8 +119,8 @@ def measure_local(peak_tflops: float) -> dict:
     x = torch.randn(16384, 4096, device=dev, dtype=torch.bfloat16)
     g = torch.randn(16384, 4096, device=dev, dtype=torch.bfloat16)
     main = torch.zeros(4096, 4096, device=dev, dtype=torch.float32)
-    plain = _time(lambda: g.t() @ x)
-    accum = _time(lambda: main.add_(g.t() @ x))
+    plain = _time(lambda: g.t() @ x, min_window_s=2e-3)
+    accum = _time(lambda: main.add_(g.t() @ x), min_window_s=2e-3)
     out["wgrad_factor"] = min(1.0, plain / accum)
     src = torch.empty(2 ** 29, device=dev, dtype=torch.bfloat16)  # 1 GiB
     dst = torch.empty_like(src)
@@ -105,6 +135,7 @@ def measure_local(peak_tflops: float) -> dict:
     flops = 4 * b * h * s * s * d / 2
     out["attention_fwd_efficiency"] = flops / fwd / (peak_tflops * 1e12)
     out["attention_bwd_efficiency"] = 2.5 * flops / bwd / (peak_tflops * 1e12)
+    out["optimizer_gbs"] = measure_adam()
     out["raw"].update({"sdpa_fwd_ms": fwd * 1e3, "sdpa_bwd_ms": bwd * 1e3, "wgrad_plain_ms": plain * 1e3,
                        "wgrad_accumulate_ms": accum * 1e3})
     return out
@@ -127,6 +158,13 @@ def measure_collectives(path: str) -> None:
     for name, fn in ops.items():
         dist.barrier()
         result[name] = buf.numel() * 2 / _time(fn, reps=10) * bus_factor(name, n) / 1e9
+    # At one activation's size the ring's per-step cost shows (latency, protocol, fewer channels):
+    # fitted as the per-step latency that makes the ring formula match, bandwidth from above.
+    small = buf[: LAYER_MIB * 2 ** 20 // 2]
+    t_small = _time(lambda: dist.all_reduce(small), reps=10, inner=10)
+    bw_term = bus_factor("all_reduce", n) * small.numel() * 2 / (result["all_reduce"] * 1e9)
+    result["all_reduce_layer_ms"] = t_small * 1e3
+    result["latency_us"] = max(1.0, (t_small - bw_term) / (2 * (n - 1)) * 1e6)
     if n >= 2 and rank < 2:  # one direction, rank 0 -> rank 1, as the pipeline sends
         peer = 1 - rank
         fn = (lambda: dist.send(buf, peer)) if rank == 0 else (lambda: dist.recv(buf, peer))
@@ -160,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 coll = json.load(open(path))
                 measured["raw"]["collectives_gbs"] = coll
                 measured["intra_busbw_gbs"] = coll["all_reduce"]
+                measured["intra_latency_us"] = coll["latency_us"]
                 if "p2p" in coll:
                     measured["intra_p2p_gbs"] = coll["p2p"]
             except (subprocess.SubprocessError, OSError, ValueError) as e:

@@ -2,6 +2,7 @@
 invariants, the simulator extension, and SC21's published Table 1 within 15%."""
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from parallel3d.planning.model import num_floating_point_operations
 from parallel3d.planning.sc21 import TABLE_1, figure_12, reproduce
 from parallel3d.planning.search import candidates, search
 from parallel3d.planning.step import _run, simulate_pipeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GPT_1_3B = ModelSpec(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=2048, vocab_size=50257)
 H100 = get_cluster("h100-sxm")
@@ -77,6 +80,24 @@ def test_gemm_curve_fit_recovers_its_parameters():
     points = [(m, n, k, curve.efficiency(m, n, k) * 989.4) for m, n, k in shapes]
     fit = GemmCurve.fit(points, 989.4)
     assert fit.max_efficiency == pytest.approx(0.8, rel=1e-9) and fit.half_dim == pytest.approx(120.0, rel=1e-6)
+
+
+def test_gemm_curve_fit_ignores_a_fixed_per_call_overhead():
+    """A constant 25 us per timed call (host dispatch) must not bend the curve (it once fitted E < 0)."""
+    curve = GemmCurve(peak_tflops=989.4, max_efficiency=0.8, half_dim=90.0)
+    shapes = [(8192, 8192, 8192), (1024, 1024, 1024), (2048, 2048, 2048), (8192, 2048, 2048), (16384, 1024, 4096)]
+    points = []
+    for m, n, k in shapes:
+        t = 2 * m * n * k / (curve.efficiency(m, n, k) * 989.4e12) + 25e-6
+        points.append((m, n, k, 2 * m * n * k / t / 1e12))
+    fit = GemmCurve.fit(points, 989.4)
+    assert fit.max_efficiency == pytest.approx(0.8, rel=1e-6) and fit.half_dim == pytest.approx(90.0, rel=1e-4)
+
+
+def test_shipped_h100_calibration_fits_a_sane_curve():
+    cluster = load_cluster(os.path.join(ROOT, "bench", "clusters", "h100-sxm-2x.json"))
+    assert 0.7 < cluster.gemm.max_efficiency < 0.9
+    assert cluster.gemm.efficiency(8192, 8192, 8192) * 989.4 == pytest.approx(776, rel=0.05)  # measured 776
 
 
 def test_cluster_file_round_trip(tmp_path):

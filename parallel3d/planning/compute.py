@@ -85,6 +85,12 @@ def _linear(cluster: ClusterSpec, tokens: int, n_out: int, k_in: int, elem: int)
 
 
 def _passes(cluster: ClusterSpec, nbytes: float, kernels: int) -> float:
+    """Memory-bound kernels moving ``nbytes``, at the fraction of copy bandwidth such kernels reach."""
+    return nbytes / (cluster.copy_gbs * 1e9 * cluster.elementwise_efficiency) + kernels * cluster.kernel_launch_us * 1e-6
+
+
+def _loss_passes(cluster: ClusterSpec, nbytes: float, kernels: int) -> float:
+    """The loss's passes: LOSS_*_BYTES_PER_LOGIT are effective bytes at copy bandwidth (measured whole)."""
     return nbytes / (cluster.copy_gbs * 1e9) + kernels * cluster.kernel_launch_us * 1e-6
 
 
@@ -112,14 +118,25 @@ def layout_dropout(model: ModelSpec) -> bool:
     return model.hidden_dropout > 0
 
 
+def _column_dgrad_exposed(comm: float, wgrad: float) -> float:
+    """Exposed part of a column-parallel linear's input-gradient collective.
+
+    LinearWithGradAccumulationAndAsyncCommunication.backward (tensor_parallel/layers.py) starts the
+    all-reduce (or, under SP, the reduce-scatter) of the input gradient with async_op=True, runs
+    the weight-gradient GEMM, and only then waits: the collective hides behind that GEMM.
+    """
+    return max(0.0, comm - wgrad)
+
+
 def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCost:
     """One transformer layer, one microbatch, one TP rank."""
     t, elem = layout.tp, 2 if layout.bf16 else 4
     h, tokens = model.hidden_size, layout.micro_batch_size * model.seq_length
     sp_tokens = tokens // t if layout.sequence_parallel else tokens  # norms and dropout under SP
+    qkv, q = (model.q_size + 2 * model.kv_size) // t, model.q_size // t
     linears = [
-        _linear(cluster, tokens, (model.q_size + 2 * model.kv_size) // t, h, elem),  # linear_qkv
-        _linear(cluster, tokens, h, model.q_size // t, elem),  # linear_proj
+        _linear(cluster, tokens, qkv, h, elem),  # linear_qkv
+        _linear(cluster, tokens, h, q, elem),  # linear_proj
         _linear(cluster, tokens, model.fc1_out // t, h, elem),  # linear_fc1
         _linear(cluster, tokens, h, model.ffn // t, elem),  # linear_fc2
     ]
@@ -127,15 +144,8 @@ def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCo
     bwd_in = sum(i for _, i, _ in linears)
     bwd_w = sum(w for _, _, w in linears)
     attn_f, attn_b = _attention_core(model, layout, cluster, elem)
-
-    mask = 0.5 if layout_dropout(model) else 0.0  # a 1-byte mask per element, in units of bf16 elements
-    rope = 2 * (model.q_size + model.kv_size) // t if model.position_embedding_type == "rope" else 0
-    # Forward: 2 norms (read, write), 2 bias-dropout-adds (x, residual -> out), activation, RoPE.
-    ew_fwd = sp_tokens * h * (2 + 2 + 2 * (3 + mask)) + tokens * ((model.fc1_out + model.ffn) // t + rope)
-    # Backward: norms read x and dy and write dx; dropout-add reads dy (and mask), writes 2 grads.
-    ew_bwd = sp_tokens * h * (3 + 3 + 2 * (3 + mask)) + tokens * ((2 * model.fc1_out + model.ffn) // t + rope)
-    fwd += attn_f + _passes(cluster, ew_fwd * elem, 6)
-    bwd_in += attn_b + _passes(cluster, ew_bwd * elem, 8)
+    fwd += attn_f + _passes(cluster, _layer_elementwise(model, layout, forward=True) * elem, 10)
+    bwd_in += attn_b + _passes(cluster, _layer_elementwise(model, layout, forward=False) * elem, 16)
 
     if layout.recompute_granularity == "full":
         recompute = fwd
@@ -146,27 +156,91 @@ def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCo
 
     tp_group = group_of(cluster, t, 1)
     act = tokens * h * elem
-    if layout.sequence_parallel:  # 2 all-gathers + 2 reduce-scatters each way
-        one_way = 2 * (all_gather_time(cluster, tp_group, act) + reduce_scatter_time(cluster, tp_group, act))
-    else:  # 2 all-reduces each way (after the row-parallel forward, before the column-parallel backward)
-        one_way = 2 * all_reduce_time(cluster, tp_group, act)
-    comm_bwd = one_way * (2 if layout.recompute_granularity == "full" else 1)
-    return PassCost(fwd, bwd_in, bwd_w, recompute, one_way, comm_bwd)
+    wgrad_qkv, wgrad_fc1 = linears[0][2], linears[2][2]  # the GEMMs the column-parallel dgrad hides behind
+    if layout.sequence_parallel:
+        ag, rs = all_gather_time(cluster, tp_group, act), reduce_scatter_time(cluster, tp_group, act)
+        # Forward: all-gather into linear_qkv and linear_fc1, reduce-scatter out of linear_proj and
+        # linear_fc2.  Backward: the reduce-scatters' adjoints are all-gathers of the gradient, the
+        # column-parallel linears all-gather their input again for the weight gradient (it is not
+        # kept), and their input-gradient reduce-scatter overlaps the weight-gradient GEMM.
+        comm_fwd = 2 * ag + 2 * rs
+        comm_bwd = 4 * ag + _column_dgrad_exposed(rs, wgrad_qkv) + _column_dgrad_exposed(rs, wgrad_fc1)
+    else:
+        ar = all_reduce_time(cluster, tp_group, act)
+        # Forward: the row-parallel outputs (linear_proj, linear_fc2) are all-reduced, synchronously.
+        # Backward: the column-parallel input gradients are all-reduced behind the weight gradient.
+        comm_fwd = 2 * ar
+        comm_bwd = _column_dgrad_exposed(ar, wgrad_qkv) + _column_dgrad_exposed(ar, wgrad_fc1)
+    if layout.recompute_granularity == "full":
+        comm_bwd += comm_fwd  # the recomputed forward communicates again
+    return PassCost(fwd, bwd_in, bwd_w, recompute, comm_fwd, comm_bwd)
+
+
+def _layer_elementwise(model: ModelSpec, layout: Layout, forward: bool) -> float:
+    """Elements read + written by one layer's non-GEMM kernels on one TP rank, as models/gpt.py runs them.
+
+    Counted pass by pass from the code (every tensor read once and written once per kernel):
+    [hidden]-wide tensors cover sp_tokens under SP, TP-split ones the full tokens.
+    """
+    t = layout.tp
+    h, tokens = model.hidden_size, layout.micro_batch_size * model.seq_length
+    rows = tokens // t if layout.sequence_parallel else tokens
+    qkv, q = (model.q_size + 2 * model.kv_size) // t, model.q_size // t
+    fc1, ffn = model.fc1_out // t, model.ffn // t
+    mask = 0.5 if layout_dropout(model) else 0.0  # a 1-byte mask per element, in units of bf16 elements
+    rope = 2 * (model.q_size + model.kv_size) // t if model.position_embedding_type == "rope" else 0
+    bias = model.add_bias_linear
+    if forward:
+        n = rows * h * 2 * 2  # input_layernorm and pre_mlp_layernorm: read x, write y
+        n += rows * h * 2 * (3 + mask)  # two bias-dropout-adds: read x and the residual, write out (+ mask)
+        n += tokens * (fc1 + ffn)  # bias-activation: read fc1's output, write the activation
+        n += tokens * rope  # RoPE on q and k
+        n += tokens * q * 2  # core attention's [b, n, s, d] output permuted back to [s, b, n*d]: a copy
+        n += tokens * qkv * 2 if bias else 0  # linear_qkv adds its bias as a separate `out + bias`
+        if not layout.sequence_parallel:  # _ReduceFromRegion clones linear_proj's and linear_fc2's output
+            n += tokens * h * 2 * 2  # (it does so for any TP group, TP=1 included)
+        return n
+    n = rows * h * 2 * 3  # two norm backwards: read x and dy, write dx
+    n += rows * h * 2 * (3 + mask)  # two bias-dropout-add backwards (grad, bias-grad reduction, mask)
+    n += rows * h * 2 * 3  # autograd sums the residual's gradient with the branch's, twice: read 2, write 1
+    n += tokens * (2 * fc1 + ffn)  # activation backward: read dy and x, write dx
+    n += tokens * fc1 if bias else 0  # ... and the fc1 bias gradient, a reduction over dx
+    n += tokens * rope
+    n += tokens * q * 2  # the attention output's gradient made contiguous for the attention backward
+    n += tokens * qkv * 2  # dq, dk, dv concatenated into linear_qkv's [s, b, qkv] gradient (split's backward)
+    n += tokens * qkv if bias else 0  # linear_qkv's bias gradient: grad_output.sum(0)
+    return n
+
+
+def _tied_weight_grad_bytes(model: ModelSpec, layout: Layout, rows: int) -> float:
+    """Bytes one microbatch moves to deliver a [rows, hidden] embedding/output weight gradient.
+
+    Neither is a fused weight-gradient GEMM into main_grad: nn.Embedding's backward writes a dense
+    zero-initialised [rows, h] gradient, and a supplied (tied) output weight is given a zeros
+    gradient (zero_out_wgrad, tensor_parallel/layers.py); the DDP hook then adds param.grad into
+    the fp32 main_grad (read 4 + elem, write 4).  The caller adds the sum of the two gradients
+    when one chunk holds both.
+    """
+    elem = 2 if layout.bf16 else 4
+    return rows * model.hidden_size * (elem + 8 + elem)
 
 
 def embedding_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCost:
-    """Word (+ position) embedding lookup; its gradient is scattered into the fp32 main_grad."""
+    """Word (+ position) embedding lookup and its dense weight gradient added into main_grad."""
     t, elem = layout.tp, 2 if layout.bf16 else 4
     tokens, h = layout.micro_batch_size * model.seq_length, model.hidden_size
-    fwd = _passes(cluster, tokens * h * elem * 3, 2)
-    bwd = _passes(cluster, tokens * h * (elem + 8), 2)
+    # Lookup (+ position lookup and add), the [b, s, h] -> [s, b, h] transpose copy, and the
+    # row-parallel style clone of _ReduceFromRegion before the TP sum.
+    fwd = _passes(cluster, tokens * h * elem * (3 + 2 + 2), 4)
+    bwd = _passes(cluster, _tied_weight_grad_bytes(model, layout, model.vocab(t) // t) + tokens * h * elem, 3)
     group = group_of(cluster, t, 1)
-    comm = (reduce_scatter_time(cluster, group, tokens * h * elem) if layout.sequence_parallel
+    rope = model.position_embedding_type == "rope"  # only then is the TP sum a reduce-scatter (gpt.py)
+    comm = (reduce_scatter_time(cluster, group, tokens * h * elem) if layout.sequence_parallel and rope
             else all_reduce_time(cluster, group, tokens * h * elem))
     return PassCost(fwd=fwd, bwd_weight=bwd, tp_comm_fwd=comm)
 
 
-def head_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCost:
+def head_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, holds_embedding: bool = False) -> PassCost:
     """Final norm, output layer and vocab-parallel cross-entropy (never recomputed)."""
     t, elem = layout.tp, 2 if layout.bf16 else 4
     tokens, h = layout.micro_batch_size * model.seq_length, model.hidden_size
@@ -174,25 +248,39 @@ def head_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCos
     vocab = model.vocab(t) // t
     f, i, w = _linear(cluster, tokens, vocab, h, elem)
     logits = tokens * vocab
-    fwd = f + _passes(cluster, sp_tokens * h * 2 * elem + logits * LOSS_FWD_BYTES_PER_LOGIT, 8)
-    bwd_in = i + _passes(cluster, sp_tokens * h * 3 * elem + logits * LOSS_BWD_BYTES_PER_LOGIT, 4)
+    fwd = f + _passes(cluster, sp_tokens * h * 2 * elem, 2) + _loss_passes(cluster, logits * LOSS_FWD_BYTES_PER_LOGIT, 6)
+    bwd_in = i + _passes(cluster, sp_tokens * h * 3 * elem, 2) + _loss_passes(cluster, logits * LOSS_BWD_BYTES_PER_LOGIT, 4)
+    if not model.untie_embeddings_and_output_weights:
+        if holds_embedding:  # zeros gradient, then autograd sums it with the embedding's (read 2, write 1)
+            w += _passes(cluster, vocab * h * elem * 4, 2)
+        else:  # the last stage's copy: zeros gradient, added into main_grad by the DDP hook
+            w += _passes(cluster, _tied_weight_grad_bytes(model, layout, vocab), 2)
     group = group_of(cluster, t, 1)
     act = tokens * h * elem
-    if layout.sequence_parallel:
-        comm_f, comm_b = all_gather_time(cluster, group, act), reduce_scatter_time(cluster, group, act)
-    else:
-        comm_f, comm_b = 0.0, all_reduce_time(cluster, group, act)
+    if layout.sequence_parallel:  # all-gather in; backward: all-gather again, reduce-scatter behind the wgrad
+        comm_f = all_gather_time(cluster, group, act)
+        comm_b = comm_f + _column_dgrad_exposed(reduce_scatter_time(cluster, group, act), w)
+    else:  # the output layer's input-gradient all-reduce hides behind its weight-gradient GEMM
+        comm_f, comm_b = 0.0, _column_dgrad_exposed(all_reduce_time(cluster, group, act), w)
     comm_f += 3 * all_reduce_time(cluster, group, tokens * 4)  # the loss's max / sum / target logit
     return PassCost(fwd, bwd_in, w, 0.0, comm_f, comm_b)
 
 
 def optimizer_time(params_on_rank: int, layout: Layout, cluster: ClusterSpec) -> float:
-    """Memory-bound optimizer step (Adam), per rank.
+    """Memory-bound work of one step outside the microbatches, per rank (training.train_step).
 
-    Every rank zeroes its whole fp32 gradient buffer (4 B/param); on the shard it steps
-    (1/DP of it under ZeRO-1): the norm reads the gradient (4), Adam reads master, grad, m, v
-    and writes master, m, v (28), and bf16 training copies the master into the bf16 param (6).
+    Counted from the code, in bytes per parameter:
+    - the fp32 main_grad buffer is zeroed twice, 4 + 4 (train_step calls zero_grad_buffer() on
+      every chunk, then optimizer.zero_grad() does it again);
+    - with DP > 1 each bucket is scaled by 1/DP before its reduction, read 4 + write 4;
+    - on the shard it steps (1/DP of the parameters under ZeRO-1): the gradient norm reads the
+      gradient (4), clipping scales it in place (8: --clip-grad 1.0 fires while the norm is above
+      1, which is the case early in training and in the benchmarks; assumed), fused Adam reads
+      master, grad, m, v and writes master, m, v (28; at ``optimizer_gbs`` where calibrated), and
+      bf16 training copies the master into the bf16 parameter (6).
     """
     shard = params_on_rank / (layout.dp if layout.use_distributed_optimizer else 1)
-    per_shard = 4 + 28 + (6 if layout.bf16 else 0)
-    return _passes(cluster, 4 * params_on_rank + per_shard * shard, 12)
+    other = 8 * params_on_rank + (8 * params_on_rank if layout.dp > 1 else 0)
+    other += (4 + 8 + (6 if layout.bf16 else 0)) * shard
+    adam_gbs = cluster.optimizer_gbs or cluster.copy_gbs * cluster.elementwise_efficiency
+    return _passes(cluster, other, 12) + 28 * shard / (adam_gbs * 1e9)

@@ -34,18 +34,51 @@ class GemmCurve:
     @classmethod
     def fit(cls, points: list[tuple[int, int, int, float]], peak_tflops: float,
             wgrad_factor: float = 1.0) -> "GemmCurve":
-        """Least-squares fit of peak/achieved = a + b * (1/m + 1/n + 1/k) to (m, n, k, TFLOP/s) points."""
+        """Fit the curve to measured (m, n, k, TFLOP/s) points, by least squares on relative time error.
+
+        Model of a measured time: t = F / (peak * max_efficiency) * (1 + half_dim * x) + t0, with
+        F = 2mnk and x = 1/m + 1/n + 1/k; linear in (1/max_efficiency, half_dim/max_efficiency, t0).
+        t0 absorbs a fixed cost per timed call: CUDA events around ONE kernel launched on an idle GPU
+        also time the host's dispatch (~25 us in torch), which made the 1024^3 GEMM read 69 TFLOP/s.
+        Without t0 the small shapes dragged the fit to a negative max_efficiency (a pole near x =
+        1/2000, i.e. wildly wrong rates for every transformer shape).  t0 is NOT part of the curve:
+        inside a training step the host runs ahead and kernels start back to back
+        (ClusterSpec.kernel_launch_us keeps the per-kernel gap).
+        """
         if not points:
             raise ValueError("GemmCurve.fit needs at least one measured GEMM")
-        xs = [1.0 / m + 1.0 / n + 1.0 / k for m, n, k, _ in points]
-        ys = [peak_tflops / t for *_, t in points]
-        if len(points) == 1 or max(xs) - min(xs) < 1e-12:
-            return cls(peak_tflops, 1.0 / (sum(ys) / len(ys)), 0.0, wgrad_factor)
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        b = max(b, 0.0)  # a curve that improves as shapes shrink is measurement noise
-        a = my - b * mx
-        return cls(peak_tflops, 1.0 / a, b / a, wgrad_factor)
+        rows = []  # (features / t, 1): minimises the sum of squared relative errors
+        for m, n, k, tflops in points:
+            flops = 2.0 * m * n * k
+            t = flops / (tflops * 1e12)
+            base = flops / (peak_tflops * 1e12)
+            rows.append((base / t, base * (1.0 / m + 1.0 / n + 1.0 / k) / t, 1.0 / t))
+        for cols in ((0, 1, 2), (0, 1), (0,)):  # drop t0, then the shape term, if the fit makes them negative
+            if len(points) < len(cols):
+                continue
+            sol = _least_squares([[r[c] for c in cols] for r in rows], [1.0] * len(rows))
+            if sol is not None and sol[0] > 0 and all(v >= 0 for v in sol[1:]):
+                inv_eff, slope = sol[0], (sol[1] if len(sol) > 1 else 0.0)
+                return cls(peak_tflops, 1.0 / inv_eff, slope / inv_eff, wgrad_factor)
+        raise ValueError(f"could not fit a GEMM curve to {points}")
+
+
+def _least_squares(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve min |a x - b| through the normal equations (a few unknowns; no numpy dependency)."""
+    n = len(a[0])
+    ata = [[sum(r[i] * r[j] for r in a) for j in range(n)] for i in range(n)]
+    atb = [sum(r[i] * y for r, y in zip(a, b)) for i in range(n)]
+    for col in range(n):  # Gauss-Jordan with partial pivoting
+        piv = max(range(col, n), key=lambda r: abs(ata[r][col]))
+        if abs(ata[piv][col]) < 1e-300:
+            return None
+        ata[col], ata[piv], atb[col], atb[piv] = ata[piv], ata[col], atb[piv], atb[col]
+        for r in range(n):
+            if r != col:
+                f = ata[r][col] / ata[col][col]
+                ata[r] = [x - f * y for x, y in zip(ata[r], ata[col])]
+                atb[r] -= f * atb[col]
+    return [atb[i] / ata[i][i] for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -66,6 +99,12 @@ class ClusterSpec:
     intra_latency_us: float = 10.0  # per ring step inside a node
     inter_latency_us: float = 20.0  # per ring step across nodes
     kernel_launch_us: float = 4.0  # per GEMM / elementwise kernel; matters for small shapes
+    # Memory-bound kernels (norms, activations, adds, copies, reductions) as a fraction of copy_gbs.
+    # 0.86: the byte-weighted mean of parallel3d's LayerNorm (87% fwd, 74% bwd), bias-GeLU (95%,
+    # 93%) and bias-dropout-add (93%, 83%) kernels measured on H100 at GPT-1.3B sizes
+    # (BENCHMARKS.md, "Fused kernels"); torch's own elementwise kernels land in the same range.
+    elementwise_efficiency: float = 0.86
+    optimizer_gbs: float = 0.0  # fused AdamW, 28 B/param over its time (calibrated); 0: elementwise rate
     context_gib: float = 2.0  # CUDA context, NCCL buffers, cuBLAS workspaces: outside max_memory_allocated
     fragmentation: float = 0.10  # caching-allocator reserve over the allocated peak (see docs/planning.md)
     notes: str = ""
@@ -100,24 +139,26 @@ def load_cluster(path: str) -> ClusterSpec:
         return cluster_from_dict(json.load(f))
 
 
-# H100 SXM: 989.4 TFLOP/s dense bf16.  The 8192^3 bf16 GEMM measured 778-798 TFLOP/s here
-# (80% of peak); half_dim 150 also gives the measured 768 TFLOP/s of the [16384, 4096]^T x
-# [16384, 4096] weight-gradient GEMM (BENCHMARKS.md), max_efficiency then follows from 8192^3.
-# The fp32-accumulating weight-gradient GEMM ran at 666-768 vs ~790 TFLOP/s: wgrad_factor 0.9.
-_H100_GEMM = GemmCurve(peak_tflops=989.4, max_efficiency=0.84, half_dim=150.0, wgrad_factor=0.9)
+# H100 SXM: 989.4 TFLOP/s dense bf16.  The curve is GemmCurve.fit of the 12 GEMMs measured by
+# bench/calibrate_planner.py on 2 x H100 80GB HBM3 (2026-11-26; bench/clusters/h100-sxm-2x.json):
+# 776 TFLOP/s at 8192^3 (curve 780), 582-754 at GPT-1.3B's layer shapes.  The weight-gradient GEMM
+# accumulated into fp32 ran at 0.98 of the plain one there (0.93-1.0 in BENCHMARKS.md's fused table).
+_H100_GEMM = GemmCurve(peak_tflops=989.4, max_efficiency=0.813, half_dim=84.4, wgrad_factor=0.98)
 
 # A100 SXM 80GB: 312 TFLOP/s dense bf16/fp16.  SC21 prints no GEMM benchmark, only that its
 # best end-to-end runs reach 52% of peak (163 TFLOP/s).  ASSUMPTION: cuBLAS on A100 reaches the
-# same fraction of peak by shape as we measured on H100 (80% at 8192^3, ~250 TFLOP/s), so the A100
+# same fraction of peak by shape as we measured on H100 (79% at 8192^3, ~245 TFLOP/s), so the A100
 # curve is the H100 curve scaled to 312.  ONE curve for all five models; nothing is fitted per row.
-_A100_GEMM = GemmCurve(peak_tflops=312.0, max_efficiency=0.84, half_dim=150.0, wgrad_factor=0.95)
+_A100_GEMM = GemmCurve(peak_tflops=312.0, max_efficiency=0.813, half_dim=84.4, wgrad_factor=0.95)
 
 _H100_COMMON = dict(
     memory_gib=79.1, gemm=_H100_GEMM,
-    copy_gbs=2960.0,  # measured device-to-device copy (BENCHMARKS.md)
-    attention_fwd_efficiency=0.32, attention_bwd_efficiency=0.26,  # SDPA flash (FA2: ~320 and ~260 TFLOP/s causal, hd 128)
-    intra_busbw_gbs=329.0,  # measured 2-GPU NVLink all-reduce of 1 GiB, bus bandwidth
-    intra_p2p_gbs=219.0,  # measured p2p each way (H200 machine, same NVLink 4)
+    copy_gbs=2953.0,  # measured device-to-device copy of 1 GiB (calibration; 2.96 TB/s in BENCHMARKS.md)
+    # SDPA flash, causal, b 4, 16 heads, s 2048, head dim 128, measured: 0.164 ms forward (420 TFLOP/s)
+    # and 0.552 ms backward (311 TFLOP/s counting 2.5x the forward FLOPs).
+    attention_fwd_efficiency=0.424, attention_bwd_efficiency=0.314,
+    intra_busbw_gbs=328.0,  # measured 2-GPU NVLink all-reduce of 1 GiB, bus bandwidth
+    intra_p2p_gbs=365.0,  # measured 1 GiB send rank 0 -> rank 1 (NVLink 4)
 )
 
 PRESETS: dict[str, ClusterSpec] = {
@@ -130,13 +171,14 @@ PRESETS: dict[str, ClusterSpec] = {
         nic_gbs=22.5,  # 8 x 200 Gb/s HDR per node = 25 GB/s per GPU, ~90% achieved
         notes="SC21 (Narayanan et al. 2021) Selene: DGX A100 80GB, NVLink 3, 8 x HDR InfiniBand per node"),
     "h100-sxm": ClusterSpec(name="h100-sxm", gpus_per_node=8, num_nodes=1, nic_gbs=45.0,
-                            notes="one 8-GPU H100 SXM node; link figures measured on 2 GPUs",
+                            notes="one 8-GPU H100 SXM node; the figures of bench/clusters/h100-sxm-2x.json (2 GPUs)",
                             **_H100_COMMON),
     "h100-8x64": ClusterSpec(name="h100-8x64", gpus_per_node=8, num_nodes=64,
                              nic_gbs=45.0,  # 8 x 400 Gb/s NDR per node = 50 GB/s per GPU, ~90% achieved
                              notes="64 nodes of 8 H100 SXM, 8 x 400 Gb/s InfiniBand per node", **_H100_COMMON),
     "h200": ClusterSpec(name="h200", gpus_per_node=8, num_nodes=1, nic_gbs=45.0,
-                        **{**_H100_COMMON, "memory_gib": 139.8, "copy_gbs": 4240.0, "intra_busbw_gbs": 325.0},
+                        **{**_H100_COMMON, "memory_gib": 139.8, "copy_gbs": 4240.0, "intra_busbw_gbs": 325.0,
+                           "intra_p2p_gbs": 219.0},  # measured on an H200 machine
                         notes="one 8-GPU H200 node: H100 compute, 141 GB HBM3e, copy 4.24 TB/s measured"),
 }
 PRESETS["h200-8x64"] = dataclasses.replace(PRESETS["h200"], name="h200-8x64", num_nodes=64,

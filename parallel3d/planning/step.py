@@ -92,7 +92,7 @@ class StepEstimate:
 def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> list[list[PassCost]]:
     """PassCost of every (pipeline rank, chunk): its layers, plus the embedding / head it holds."""
     layer = layer_cost(model, layout, cluster)
-    emb, head = embedding_cost(model, layout, cluster), head_cost(model, layout, cluster)
+    emb = embedding_cost(model, layout, cluster)
     out = []
     for rank in range(layout.pp):
         row = []
@@ -101,7 +101,7 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> list[
             if first:
                 cost = cost + emb
             if last:
-                cost = cost + head
+                cost = cost + head_cost(model, layout, cluster, holds_embedding=first)
             row.append(cost)
         out.append(row)
     return out
