@@ -195,5 +195,11 @@ def _generate(args: argparse.Namespace, tokenizer, prompt_ids: list[int], config
     return result
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """The console script (errors exit inside main with their own status)."""
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     return prefixes
 
 
-def _cli() -> int:
+def cli() -> int:
+    """The console script: 0 on success, 1 with one error line."""
     try:
         main()
     except (ValueError, FileNotFoundError, ImportError) as e:
@@ -174,4 +175,4 @@ def _cli() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_cli())
+    sys.exit(cli())
