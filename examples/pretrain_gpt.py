@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from models import GPTModel, TransformerConfig  # noqa: E402
+from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import parallel_state  # noqa: E402
 from parallel3d.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
 from parallel3d.data import (  # noqa: E402
@@ -34,7 +34,7 @@ from parallel3d.data import (  # noqa: E402
     build_tokenizer,
     build_train_valid_test_datasets,
 )
-from models.generation import generate  # noqa: E402
+from parallel3d.models.generation import generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402

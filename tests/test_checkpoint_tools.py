@@ -21,12 +21,12 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from models import GPTModel
-from models.config import gpt2_config, llama_config
-from models.gpt import InferenceParams
+from parallel3d.models import GPTModel
+from parallel3d.models.config import gpt2_config, llama_config
+from parallel3d.models.gpt import InferenceParams
 from parallel3d import parallel_state as ps
 from parallel3d.checkpointing import LATEST_FILE, model_state_for_save
-from models.generation import check_generation_args, generate, sample_token
+from parallel3d.models.generation import check_generation_args, generate, sample_token
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.testing import run_distributed
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import models.gpt as gpt_module
-from models import GPTModel, gather_logits, gpt2_config, llama_config, llama_ffn_hidden_size
+import parallel3d.models.gpt as gpt_module
+from parallel3d.models import GPTModel, gather_logits, gpt2_config, llama_config, llama_ffn_hidden_size
 from parallel3d import parallel_state as ps
 from parallel3d import tensor_parallel as tp
 from parallel3d.tensor_parallel import split_tensor_for_rank

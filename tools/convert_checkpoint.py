@@ -39,7 +39,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from models.config import TransformerConfig  # noqa: E402
+from parallel3d.models.config import TransformerConfig  # noqa: E402
 from parallel3d.checkpointing import LATEST_FILE, _fsync_dir  # noqa: E402
 from tools.checkpoint.hf import HfLoader, HfSaver  # noqa: E402
 from tools.checkpoint.parallel3d_format import Parallel3dLoader, Parallel3dSaver  # noqa: E402

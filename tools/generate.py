@@ -31,7 +31,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from models import GPTModel, TransformerConfig  # noqa: E402
+from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import parallel_state  # noqa: E402
 from parallel3d.device import default_backend, default_device  # noqa: E402
 from parallel3d.checkpointing import (  # noqa: E402
@@ -45,7 +45,7 @@ from parallel3d.checkpointing import (  # noqa: E402
 )
 from parallel3d.data import build_tokenizer  # noqa: E402
 from parallel3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
-from models.generation import check_generation_args, generate  # noqa: E402
+from parallel3d.models.generation import check_generation_args, generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.training_guards import errors_as_one_line  # noqa: E402
 from tools.checkpoint.parallel3d_format import config_from_metadata  # noqa: E402
