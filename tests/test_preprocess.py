@@ -13,7 +13,7 @@ from parallel3d.data import IndexedDataset, build_pretraining_data_loader, build
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # tools/ is not installed with the package
     sys.path.insert(0, REPO_ROOT)
-from tools import preprocess_data  # noqa: E402
+from parallel3d.tools import preprocess_data  # noqa: E402
 TEXTS = ["hello world", "", "héllo 世界\nsecond line", "a" * 300, "x"]
 
 

@@ -48,8 +48,8 @@ from parallel3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
 from parallel3d.models.generation import check_generation_args, generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.training_guards import errors_as_one_line  # noqa: E402
-from tools.checkpoint.parallel3d_format import config_from_metadata  # noqa: E402
-from tools.checkpoint.schema import ConversionError  # noqa: E402
+from parallel3d.tools.checkpoint.parallel3d_format import config_from_metadata  # noqa: E402
+from parallel3d.tools.checkpoint.schema import ConversionError  # noqa: E402
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
