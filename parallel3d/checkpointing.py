@@ -477,7 +477,8 @@ def load_checkpoint(
             set_rng_state(state)
         except (KeyError, TypeError, AttributeError, RuntimeError) as e:  # "Invalid mt19937 state"
             raise CheckpointError(f"{path} holds no valid RNG state: {type(e).__name__}: {e}") from e
-    _barrier()
+    if dist.is_initialized():
+        dist.barrier()
     return iteration, meta
 
 
