@@ -34,7 +34,8 @@ def test_byte_tokenizer_two_workers_round_trip(tmp_path):
     )
     assert prefixes == {"text": out + "_text_document", "title": out + "_title_document"}
     assert sorted(os.listdir(tmp_path)) == sorted(
-        ["corpus.jsonl", "out_text_document.bin", "out_text_document.idx", "out_title_document.bin", "out_title_document.idx"]
+        ["corpus.jsonl", "out_text_document.bin", "out_text_document.idx", "out_text_document.stats.json",
+         "out_title_document.bin", "out_title_document.idx", "out_title_document.stats.json"]
     )
     tok = build_tokenizer("byte")
     for key in ("text", "title"):
