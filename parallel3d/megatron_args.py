@@ -45,6 +45,8 @@ ALREADY_SO: dict[str, str] = {
     "--log-throughput": "tokens/s and TFLOP/s per GPU are logged every --log-interval",
     "--log-validation-ppl-to-tensorboard": "validation perplexity goes to --tensorboard-dir with the loss",
     "--log-memory-to-tensorboard": "peak memory goes to --tensorboard-dir every --log-interval",
+    # same dest as --no-check-for-nan-in-loss-and-grad, registered earlier: its default (True) stands
+    "--check-for-nan-in-loss-and-grad": "on by default; --no-check-for-nan-in-loss-and-grad turns it off",
 }
 # --tokenizer-type values of Megatron that have no reader here.
 REFUSED_TOKENIZERS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer",

@@ -213,3 +213,19 @@ def test_pretrain_refuses_wrong_tokenizer_before_training_once(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("error:") == 1 and "holds token id 3997 but the vocabulary has 257 ids" in proc.stderr
     assert "iteration" not in proc.stdout
+
+
+def test_readme_flag_table_matches_the_parser():
+    """Every flag README's Megatron table lists is one this parser knows (supported, accepted or refused)."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    table = text[text.index("### Megatron-LM flags"):text.index("Every interval logs")]
+    flags = set(re.findall(r"(--[a-z][a-z0-9_-]*[a-z0-9])(?!\*)", table)) - {"--moe"}
+    known = {s for a in build_parser()._actions for s in a.option_strings}
+    assert len(flags) > 80 and flags <= known, sorted(flags - known)
+    for row in table.splitlines():
+        if row.endswith("refused: use `--bf16` |") or "| refused:" not in row:
+            continue
+        for flag in re.findall(r"`(--[a-z][a-z0-9_-]*[a-z0-9])`", row.split("|")[1]):
+            if flag in REFUSED:
+                with pytest.raises(ArgumentError, match="not supported"):
+                    _validate([flag])
