@@ -60,7 +60,9 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     prompt.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
     prompt.add_argument("--prompt", default=None, help="text, tokenized with --tokenizer-type/--tokenizer-model")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
-    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--tokenizer-model", default=None, help="tokenizer.json (or its directory) for HuggingFaceTokenizer")
+    p.add_argument("--vocab-file", default=None, help="GPT-2's vocab.json for GPT2BPETokenizer")
+    p.add_argument("--merge-file", default=None, help="GPT-2's merges.txt for GPT2BPETokenizer")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default without sampling options)")
     p.add_argument("--temperature", type=float, default=None)
@@ -126,7 +128,8 @@ def _prepare(args: argparse.Namespace, world_size: int) -> tuple[Any, list[int],
                     top_k=args.top_k or 0, top_p=args.top_p or 0.0)
     if args.prompt is not None and args.tokenizer_type is None:
         raise ValueError("--prompt needs --tokenizer-type (and --tokenizer-model for HuggingFaceTokenizer)")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model) if args.tokenizer_type else None
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_file=args.vocab_file,
+                                merge_file=args.merge_file) if args.tokenizer_type else None
     if args.prompt is not None:
         prompt_ids = tokenizer.tokenize(args.prompt)
     else:
