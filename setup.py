@@ -1,4 +1,4 @@
-"""Install parallel3d.
+"""The CUDA extension build of parallel3d; everything else is in pyproject.toml.
 
 On a machine without CUDA (or without torch at build time, as under pip's build
 isolation) this installs pure Python and says so once; the fused ops then run
@@ -9,11 +9,11 @@ import glob
 import os
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 
 def _cuda_extension():
-    """Return (ext_modules, cmdclass) for csrc/, or ([], {}) where CUDA can't be built."""
+    """Return (ext_modules, cmdclass, why not) for csrc/; empty lists where CUDA can't be built."""
     if os.environ.get("PARALLEL3D_NO_CUDA_EXT") == "1":
         return [], {}, "PARALLEL3D_NO_CUDA_EXT=1"
     try:
@@ -42,19 +42,4 @@ ext_modules, cmdclass, why_not = _cuda_extension()
 if why_not and not any(a in sys.argv for a in ("egg_info", "dist_info", "--version")):
     print(f"parallel3d: installing pure Python, CUDA kernels not built ({why_not})", file=sys.stderr)
 
-setup(
-    name="parallel3d",
-    version="0.1.0",
-    description="Megatron-style 3D-parallel (TP x PP x DP) training for PyTorch",
-    packages=find_packages(include=["parallel3d", "parallel3d.*", "models", "models.*"]),
-    python_requires=">=3.10",
-    install_requires=["torch>=2.3", "einops", "safetensors", "numpy"],
-    extras_require={
-        # transformers (no torch dependency of its own) builds the reference models of
-        # tests/test_checkpoint_tools.py; tools/convert_checkpoint.py itself does not need it
-        "test": ["pytest", "tokenizers", "transformers"],
-        "plot": ["matplotlib"],
-    },
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

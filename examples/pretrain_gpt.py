@@ -25,16 +25,20 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from models import GPTModel, TransformerConfig  # noqa: E402
+from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
+from parallel3d.checkpoint_args import apply_checkpoint_args  # noqa: E402
+from parallel3d.checkpoint_integrity import CheckpointError  # noqa: E402
+from parallel3d.data.token_stats import check_tokens_fit_vocab  # noqa: E402
+from parallel3d.megatron_runtime import check_wandb_available  # noqa: E402
 from parallel3d.data import (  # noqa: E402
     IndexedDatasetBuilder,
     best_fitting_dtype,
     build_tokenizer,
     build_train_valid_test_datasets,
 )
-from models.generation import generate  # noqa: E402
+from parallel3d.models.generation import generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
@@ -42,10 +46,16 @@ from parallel3d.training import initialize_distributed, is_last_rank, pretrain, 
 from parallel3d.training_guards import errors_as_one_line  # noqa: E402
 
 
+def print_once(message: str, file=sys.stdout) -> None:
+    """Rank 0's line (torchrun sets RANK before any process group exists)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=file, flush=True)
+
+
 def add_example_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("example")
     g.add_argument("--sample-prompt", default=None, help="print a greedy continuation of this text at the end")
-    g.add_argument("--sample-tokens", type=int, default=64)
+    g.add_argument("--sample-tokens", type=int, default=64, help="length of the --sample-prompt continuation")
 
 
 # --------------------------------------------------------------------------------------- data
@@ -72,8 +82,9 @@ def default_data_prefix(tokenizer, tokenizer_id: str) -> str:
     return prefix
 
 
-def check_data_fits_vocab(data_path: list[str], vocab_size: int) -> None:
-    """A token file whose dtype can't hold the vocabulary is a wrong pairing: say so before training."""
+def check_data_fits_vocab(data_path: list[str], vocab_size: int, tokenizer: str = "the tokenizer") -> None:
+    """Data tokenized for another vocabulary is a wrong pairing: say so before training, naming the file
+    (its token dtype, then its largest token id: recorded at preprocessing or scanned once and cached)."""
     from parallel3d.data import IndexedDataset
     from parallel3d.data.blended_dataset import get_blend_from_list
 
@@ -89,6 +100,10 @@ def check_data_fits_vocab(data_path: list[str], vocab_size: int) -> None:
             raise ArgumentError(f"--data-path {prefix}: tokens are stored as {np.dtype(dtype).name}, which cannot "
                                 f"hold the tokenizer's vocabulary of {vocab_size}; re-run tools/preprocess_data.py "
                                 "with this tokenizer")
+        try:
+            check_tokens_fit_vocab(prefix, dtype, vocab_size, tokenizer)
+        except ValueError as e:
+            raise ArgumentError(f"--data-path: {e}") from None
 
 
 # --------------------------------------------------------------------------------------- model
@@ -103,7 +118,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu, activation="silu" if args.swiglu else "gelu",
+        gated_linear_unit=args.swiglu, activation="silu" if args.swiglu else "gelu_tanh" if args.openai_gelu else "gelu",
         add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
@@ -198,10 +213,15 @@ def main(argv=None) -> dict:
     args = parse_args(argv, extra_args_provider=add_example_args)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        if args.use_checkpoint_args:
+            changed = apply_checkpoint_args(args)
+            print_once(f"--use-checkpoint-args: from {args.load}: {', '.join(changed) or 'nothing to change'}")
         validate_args(args, world_size)
+        check_wandb_available(args)
         if args.sample_tokens < 0:
             raise ArgumentError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_file=args.vocab_file,
+                                    merge_file=args.merge_file)
         args.vocab_size = args.vocab_size or tokenizer.vocab_size
         if args.vocab_size < tokenizer.vocab_size:
             raise ArgumentError(f"--vocab-size ({args.vocab_size}) is smaller than the tokenizer's "
@@ -212,9 +232,10 @@ def main(argv=None) -> dict:
         args.ffn_hidden_size = config.ffn_hidden_size
         partition = layer_partition(args)
         if args.data_path:
-            check_data_fits_vocab(args.data_path, args.vocab_size)
-    except (ArgumentError, ValueError, FileNotFoundError) as e:
-        # Every rank checks the same input and exits with the same message, before any collective.
+            check_data_fits_vocab(args.data_path, args.vocab_size, f"--tokenizer-type {args.tokenizer_type}")
+    except (ArgumentError, ValueError, FileNotFoundError, ImportError, CheckpointError) as e:
+        # Every rank checks the same input and exits with the same line, before any collective: each
+        # rank's log says why it stopped (the project's rule for bad input).
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
 
@@ -226,8 +247,9 @@ def main(argv=None) -> dict:
 def _train(args: argparse.Namespace, tokenizer, config: TransformerConfig, partition: list[list[range]]) -> dict:
     initialize_distributed(args)
     if not args.data_path:
-        tok_id = "byte" if args.tokenizer_type == "byte" else \
-            "hf" + hashlib.sha1(os.path.abspath(args.tokenizer_model).encode()).hexdigest()[:8]
+        files = [args.tokenizer_model] if args.tokenizer_model else [args.vocab_file, args.merge_file]
+        tok_id = "byte" if args.tokenizer_type == "byte" else "hf" + hashlib.sha1(
+            "|".join(os.path.abspath(f) for f in files).encode()).hexdigest()[:8]
         args.data_path = [default_data_prefix(tokenizer, tok_id)]
     print_rank_0(f"parallel3d: world {args.world_size} = TP {args.tensor_model_parallel_size} x PP "
                  f"{args.pipeline_model_parallel_size} (virtual {args.virtual_pipeline_model_parallel_size or 1}) x "

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from models.gpt import InferenceParams, gather_logits
+from parallel3d.models.gpt import InferenceParams, gather_logits
 from parallel3d import parallel_state
 from parallel3d.pipeline import get_forward_backward_func
 

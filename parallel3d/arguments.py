@@ -15,6 +15,15 @@ import re
 import sys
 from typing import Callable, Optional, Sequence
 
+from parallel3d.arguments_help import add_help
+from parallel3d.megatron_args import (
+    ATTENTION_BACKENDS,
+    REFUSED_TOKENIZERS,
+    MegatronFlagError,
+    add_megatron_args,
+    check_megatron_args,
+)
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
@@ -40,7 +49,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--attention-backend", choices=["sdpa", "local"], default="sdpa")
+    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
@@ -82,7 +91,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x DP")
-    g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument("--train-iters", type=int, default=None, help="iterations to train (default 100 unless "
+                   "--train-samples is given)")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
@@ -127,7 +137,9 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", nargs="*", default=None,
                    help="PREFIX, or a weighted blend: 0.3 PREFIX_A 0.7 PREFIX_B")
     g.add_argument("--split", default="969,30,1")
-    g.add_argument("--tokenizer-type", choices=["byte", "HuggingFaceTokenizer"], default="byte")
+    g.add_argument("--tokenizer-type", choices=["byte", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                                                *REFUSED_TOKENIZERS], default=None,
+                   help="default: GPT2BPETokenizer with --vocab-file/--merge-file, else byte")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's")
     g.add_argument("--num-workers", type=int, default=0)
@@ -160,8 +172,10 @@ def build_parser(extra_args_provider: Optional[Callable[[argparse.ArgumentParser
     _add_training_args(p)
     _add_data_args(p)
     _add_logging_and_checkpoint_args(p)
+    add_megatron_args(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
+    add_help(p)
     return p
 
 
@@ -190,10 +204,11 @@ _RANGES: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...] = (
       "ffn_hidden_size", "kv_channels", "num_query_groups", "max_position_embeddings", "recompute_num_layers",
       "num_layers_per_virtual_pipeline_stage", "virtual_pipeline_model_parallel_size",
       "microbatch_group_size_per_vp_stage", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-      "ddp_bucket_size", "exit_interval", "save_interval", "lr_wsd_decay_iters", "vocab_size"),
+      "ddp_bucket_size", "exit_interval", "save_interval", "lr_wsd_decay_iters", "vocab_size", "train_samples",
+      "lr_decay_samples", "lr_wsd_decay_samples"),
      lambda v: v >= 1, ">= 1"),
     (("lr", "min_lr", "lr_warmup_iters", "weight_decay", "sgd_momentum", "num_workers", "eval_iters",
-      "skip_nonfinite_iters", "max_consecutive_skipped_iters"),
+      "skip_nonfinite_iters", "max_consecutive_skipped_iters", "lr_warmup_samples"),
      lambda v: v >= 0, ">= 0"),
     (("clip_grad",), lambda v: v >= 0, ">= 0 (0 turns clipping off)"),
     (("seed",), lambda v: 0 <= v < 2 ** 31, "in [0, 2**31) (numpy seeds the data order with it)"),
@@ -318,6 +333,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError("--group-query-attention needs --num-query-groups")
     if not args.group_query_attention:
         args.num_query_groups = None
+    try:
+        check_megatron_args(args)
+    except MegatronFlagError as e:
+        raise ArgumentError(str(e)) from None
     _check_optimizer_and_schedule(args)
     if args.save_interval is None and args.save is not None:
         args.save_interval = args.train_iters

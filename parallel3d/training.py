@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from parallel3d import checkpointing, parallel_state
+from parallel3d import checkpointing, megatron_runtime, parallel_state, progress
 from parallel3d.device import default_backend, default_device
 from parallel3d.distributed_timeout import CommunicationError, set_timeout, waiting_for
 from parallel3d.data import build_pretraining_data_loader
@@ -39,6 +39,7 @@ from parallel3d.distributed import (
     finalize_model_grads,
     get_megatron_optimizer,
 )
+from parallel3d.megatron_args import scheduler_steps, update_num_microbatches
 from parallel3d.pipeline import forward_backward
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
 from parallel3d.training_guards import ExitSignalHandler, StepGuard
@@ -69,6 +70,8 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 def initialize_distributed(args: argparse.Namespace) -> None:
     """Process group (nccl with GPUs, gloo without), model-parallel groups, seeds."""
     backend = args.distributed_backend or default_backend()
+    if megatron_runtime.single_process_env():
+        print_rank_0("no launcher (torchrun) environment: running as a single process")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # Megatron's --distributed-timeout-minutes: gloo's 30 min default would stall every rank that long.
@@ -121,14 +124,12 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
 
 def get_optimizer_param_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamScheduler:
     """Megatron counts the schedule in samples: one step advances it by the global batch."""
-    gbs = args.global_batch_size
+    steps = scheduler_steps(args)  # iterations x global batch, or --train-samples' own sample counts
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        optimizer, init_lr=0.0 if steps["lr_warmup_steps"] else args.lr, max_lr=args.lr, min_lr=args.min_lr,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
-        wsd_decay_steps=(args.lr_wsd_decay_iters or 0) * gbs or None,
-        lr_wsd_decay_style=args.lr_wsd_decay_style if args.lr_decay_style == "WSD" else None,
+        wd_incr_style="constant", lr_wsd_decay_style=args.lr_wsd_decay_style if args.lr_decay_style == "WSD" else None,
+        **steps,
     )
 
 
@@ -283,7 +284,7 @@ def peak_tflops(args: argparse.Namespace) -> Optional[float]:
 class TrainingLogger:
     """Interval logging: console (with a progress bar on a terminal), --log-json, TensorBoard."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, start_iteration: int = 0):
         self.args = args
         self.active = is_last_rank()  # the last rank holds the losses (Megatron logs there too)
         self.json = open(args.log_json, "a") if (self.active and args.log_json) else None
@@ -295,7 +296,9 @@ class TrainingLogger:
                 self.tb = SummaryWriter(args.tensorboard_dir)
             except ImportError:
                 print("tensorboard is not installed: --tensorboard-dir ignored (pip install tensorboard)")
-        self.tty = self.active and sys.stdout.isatty() and not args.no_progress_bar
+        self.wandb = megatron_runtime.WandbSink(args) if (self.active and args.wandb_project) else None
+        self.bar = (progress.make_bar(args.train_iters, "training", stream=sys.stdout, initial=start_iteration)
+                    if self.active and not args.no_progress_bar else None)
         self.reset()
 
     def reset(self) -> None:
@@ -307,10 +310,14 @@ class TrainingLogger:
     def record(self, loss: dict[str, float], skipped: bool) -> None:
         self.iters += 1
         self.skipped += int(skipped)
+        if self.bar is not None:
+            self.bar.update(1)
         for k, v in loss.items():
             self.sums[k] = self.sums.get(k, 0.0) + v
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.wandb:
+            self.wandb.log(record)
         if self.json:
             self.json.write(json.dumps(record) + "\n")
             self.json.flush()
@@ -333,23 +340,21 @@ class TrainingLogger:
         else:
             mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
         loss = {k: v / max(self.iters, 1) for k, v in self.sums.items()}
-        record = {"iteration": iteration, "loss": loss.get("lm loss", next(iter(loss.values()), float("nan"))),
+        record = {"type": "train", "iteration": iteration, "loss": loss.get("lm loss", next(iter(loss.values()), float("nan"))),
                   "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "tokens_per_s_per_gpu": tokens_per_s / args.world_size, "tflops_per_gpu": tflops,
                   "mfu": tflops / peak if peak else None, "iteration_time_s": per_iter,
                   "memory_gb": mem_gb, "skipped_iterations": self.skipped, "loss_scale": loss_scale}
         if self.active:
             self.write(record)
-            bar = ""
-            if self.tty:
-                done = iteration / args.train_iters
-                bar = "[" + "#" * int(30 * done) + "." * (30 - int(30 * done)) + "] "
+            if self.bar is not None:
+                self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
             mfu = f" | MFU {100 * record['mfu']:.1f}%" if record["mfu"] else ""
             gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
-            print(f"{bar}iteration {iteration:6d}/{args.train_iters} | loss {record['loss']:.4f} | lr {lr:.3e} | "
+            progress.emit(self.bar, f"iteration {iteration:6d}/{args.train_iters} | loss {record['loss']:.4f} | lr {lr:.3e} | "
                   f"grad norm {gn} | {per_iter * 1000:.0f} ms/it | {tokens_per_s:,.0f} tokens/s | "
                   f"{tflops:.1f} TFLOP/s/GPU{mfu} | mem {mem_gb:.2f} GB"
-                  + (f" | skipped {self.skipped}" if self.skipped else ""), flush=True)
+                  + (f" | skipped {self.skipped}" if self.skipped else ""))
         self.reset()
 
     def log_eval(self, iteration: int, losses: dict[str, float]) -> None:
@@ -357,14 +362,18 @@ class TrainingLogger:
             return
         loss = losses.get("lm loss", next(iter(losses.values()), float("nan")))
         ppl = math.exp(min(loss, 20.0))
-        print(f"validation at iteration {iteration} | lm loss {loss:.4f} | perplexity {ppl:.2f}", flush=True)
-        self.write({"iteration": iteration, "eval_loss": loss, "eval_perplexity": ppl})
+        progress.emit(self.bar, f"validation at iteration {iteration} | lm loss {loss:.4f} | perplexity {ppl:.2f}")
+        self.write({"type": "eval", "iteration": iteration, "eval_loss": loss, "eval_perplexity": ppl})
 
     def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
         if self.json:
             self.json.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.close()
 
 
 # --------------------------------------------------------------------------------------- the loop
@@ -398,27 +407,18 @@ def _pretrain(args: argparse.Namespace, model_provider: Callable[..., torch.nn.M
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
     scheduler = get_optimizer_param_scheduler(optimizer, args)
 
-    iteration, consumed_train, consumed_valid = 0, 0, 0
-    if args.load:
-        iteration, meta = checkpointing.load_checkpoint(
-            args.load, model, None if args.no_load_optim else optimizer, scheduler, model_config=model_config,
-            load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng,
-        )
-        if meta:
-            consumed_train = meta["extra"].get("consumed_train_samples", iteration * args.global_batch_size)
-            consumed_valid = meta["extra"].get("consumed_valid_samples", 0)
-            print_rank_0(f"loaded {args.load} at iteration {iteration} ({consumed_train} samples consumed)")
-        else:
-            print_rank_0(f"no checkpoint in {args.load}: starting from scratch")
+    iteration, consumed_train, consumed_valid = megatron_runtime.load_for_training(
+        args, model, optimizer, scheduler, model_config, print_rank_0)
 
     train_iter, valid_iter = build_data_iterators(datasets_provider, args, consumed_train, consumed_valid, len(model))
-    logger = TrainingLogger(args)
+    logger = TrainingLogger(args, start_iteration=iteration)
     history: list[dict[str, float]] = []
     grad_norms: list[Optional[float]] = []
 
     def save(it: int) -> None:
         checkpointing.save_checkpoint(
-            args.save, it, model, optimizer, scheduler, model_config=model_config, args=args,
+            args.save, it, model, *((None, None) if args.no_save_optim else (optimizer, scheduler)),
+            model_config=model_config, args=args,
             extra={"consumed_train_samples": consumed_train, "consumed_valid_samples": consumed_valid},
             layer_numbers=layer_numbers,
         )
@@ -427,9 +427,11 @@ def _pretrain(args: argparse.Namespace, model_provider: Callable[..., torch.nn.M
     last_saved = None
     train_losses, eval_losses = LossAverager(), LossAverager()
     guard, stopped_by_signal = StepGuard(args), False
+    duration = megatron_runtime.DurationLimit(args.exit_duration_in_mins)
     for chunk in model:
         chunk.train()
     while iteration < args.train_iters:
+        update_num_microbatches(args, consumed_train)  # --rampup-batch-size: this iteration's global batch
         try:
             loss, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler, args,
                                                   average_losses=train_losses)
@@ -453,6 +455,10 @@ def _pretrain(args: argparse.Namespace, model_provider: Callable[..., torch.nn.M
             save(iteration)
             last_saved = iteration
         if args.exit_interval and iteration % args.exit_interval == 0:
+            break
+        if duration.reached():
+            print_rank_0(f"exiting after iteration {iteration}: --exit-duration-in-mins {args.exit_duration_in_mins} "
+                         "reached" + ("" if args.save else "; no --save, so nothing is saved"))
             break
         if exit_signal is not None and exit_signal.should_exit():
             print_rank_0(f"exiting after iteration {iteration}: received SIGTERM (--exit-signal-handler)"

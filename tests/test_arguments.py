@@ -203,4 +203,5 @@ def test_every_rank_prints_the_schedule_error_once_and_no_traceback(tmp_path):
     assert proc.returncode != 0
     # torchrun prints its own launcher traceback (ChildFailedError); the workers print none
     assert 'pretrain_gpt.py", line' not in proc.stderr and "lr_warmup_steps" not in proc.stderr, proc.stderr[-3000:]
+    # one line per rank (each rank's log says why it stopped), no traceback
     assert proc.stderr.count("error: --lr-warmup-iters (20) must be < --lr-decay-iters (10") == 2, proc.stderr[-3000:]

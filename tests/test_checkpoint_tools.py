@@ -21,12 +21,12 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from models import GPTModel
-from models.config import gpt2_config, llama_config
-from models.gpt import InferenceParams
+from parallel3d.models import GPTModel
+from parallel3d.models.config import gpt2_config, llama_config
+from parallel3d.models.gpt import InferenceParams
 from parallel3d import parallel_state as ps
 from parallel3d.checkpointing import LATEST_FILE, model_state_for_save
-from models.generation import check_generation_args, generate, sample_token
+from parallel3d.models.generation import check_generation_args, generate, sample_token
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.testing import run_distributed
 
@@ -34,11 +34,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # tools/ is not installed with the package
     sys.path.insert(0, ROOT)
 
-from tools import generate as generate_tool  # noqa: E402
-from tools.checkpoint.parallel3d_format import expected_rank_tensors  # noqa: E402
-from tools.checkpoint.schema import ConversionError, embedding_specs, head_specs, layer_specs  # noqa: E402
-from tools.convert_checkpoint import convert  # noqa: E402
-from tools.convert_checkpoint import main as convert_main  # noqa: E402
+from parallel3d.tools import generate as generate_tool  # noqa: E402
+from parallel3d.tools.checkpoint.parallel3d_format import expected_rank_tensors  # noqa: E402
+from parallel3d.tools.checkpoint.schema import ConversionError, embedding_specs, head_specs, layer_specs  # noqa: E402
+from parallel3d.tools.convert_checkpoint import convert  # noqa: E402
+from parallel3d.tools.convert_checkpoint import main as convert_main  # noqa: E402
 
 PROMPT = [5, 17, 42, 99, 3, 250]
 NEW_TOKENS = 10
@@ -289,7 +289,7 @@ def test_conversion_streams_one_unit_at_a_time(tmp_path):
     hf_dir = str(tmp_path / "hf")
     model = _hf_model("gpt2", num_layers=16, hidden=64)
     model.save_pretrained(hf_dir)
-    from tools.checkpoint.hf import transformer_config_from_hf
+    from parallel3d.tools.checkpoint.hf import transformer_config_from_hf
     cfg = transformer_config_from_hf("gpt2", model.config.to_dict(), torch.float32)
     del model
     gc.collect()
@@ -383,7 +383,7 @@ def test_conversion_errors_name_the_problem(hf, checkpoints, tmp_path):
 
 def test_hf_export_needs_a_gpt2_or_llama_shaped_model(tmp_path):
     """A LLaMA-style model with learned positions has no HF equivalent: refused, naming the difference."""
-    from tools.checkpoint.hf import hf_family
+    from parallel3d.tools.checkpoint.hf import hf_family
 
     with pytest.raises(ConversionError, match=r"as LlamaForCausalLM in position_embedding_type='learned_absolute' "
                                               r"\(needs rope\)"):
@@ -392,7 +392,7 @@ def test_hf_export_needs_a_gpt2_or_llama_shaped_model(tmp_path):
 
 
 def test_a_failed_conversion_leaves_no_output(hf, tmp_path, monkeypatch):
-    from tools.checkpoint import parallel3d_format
+    from parallel3d.tools.checkpoint import parallel3d_format
 
     out = tmp_path / "out"
     out.mkdir()

@@ -15,10 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # tools/ is not installed with the package
     sys.path.insert(0, ROOT)
 
-from tools.checkpoint.hf import HfLoader  # noqa: E402
-from tools.checkpoint.hf_files import confined_path  # noqa: E402
-from tools.checkpoint.schema import ConversionError  # noqa: E402
-from tools.convert_checkpoint import convert  # noqa: E402
+from parallel3d.tools.checkpoint.hf import HfLoader  # noqa: E402
+from parallel3d.tools.checkpoint.hf_files import confined_path  # noqa: E402
+from parallel3d.tools.checkpoint.schema import ConversionError  # noqa: E402
+from parallel3d.tools.convert_checkpoint import convert  # noqa: E402
 
 GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2,
         "n_positions": 8, "vocab_size": 16}

@@ -117,7 +117,8 @@ def test_writer_bytes_match_format(tmp_path):
     expected_bin = struct.pack("<9H", 5, 6, 7, 8, 1, 2, 3, 4, 5)
     assert open(prefix + ".idx", "rb").read() == expected_idx
     assert open(prefix + ".bin", "rb").read() == expected_bin
-    assert sorted(os.listdir(tmp_path)) == ["w.bin", "w.idx"]  # no temp files left
+    # no temp files left; w.stats.json records the largest token id (issue 14)
+    assert sorted(os.listdir(tmp_path)) == ["w.bin", "w.idx", "w.stats.json"]
 
 
 def test_writer_int32_and_empty_document(tmp_path):
@@ -155,7 +156,7 @@ def test_writer_is_atomic(tmp_path):
     builder = IndexedDatasetBuilder(str(tmp_path / "b.bin"), np.uint16)
     builder.add_item([1])
     builder.cancel()
-    assert sorted(os.listdir(tmp_path)) == ["a.bin", "a.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["a.bin", "a.idx", "a.stats.json"]
 
 
 def test_reader_errors_name_the_problem(tmp_path):
@@ -454,7 +455,7 @@ def test_byte_tokenizer():
     with pytest.raises(ValueError, match="300"):
         tok.detokenize([300])
     with pytest.raises(ValueError, match="unknown tokenizer_type"):
-        build_tokenizer("GPT2BPETokenizer")
+        build_tokenizer("SentencePieceTokenizer")
 
 
 def test_huggingface_tokenizer_errors(tmp_path):

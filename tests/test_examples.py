@@ -3,6 +3,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from parallel3d.arguments import ArgumentError, parse_args, validate_args
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -22,7 +26,8 @@ def test_custom_model_tp_example_matches_dense():
 
 def test_demo_command_trains_saves_and_samples(tmp_path):
     """README's first command, shortened: TP2 x PP2 (interleaved) x DP2 on 8 CPU processes."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PARALLEL3D_CACHE=str(tmp_path / "cache"))
+    # PARALLEL3D_NO_VENV: this interpreter already has everything (test_packaging covers the .venv set-up)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARALLEL3D_CACHE=str(tmp_path / "cache"), PARALLEL3D_NO_VENV="1")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--train-iters", "4",
                            "--lr-warmup-iters", "1", "--log-interval", "2", "--eval-interval", "2",
                            "--sample-tokens", "8"],
@@ -34,3 +39,35 @@ def test_demo_command_trains_saves_and_samples(tmp_path):
     assert "saved checkpoint of iteration 4" in out
     assert "sample (greedy" in out
     assert (tmp_path / "demo_checkpoint" / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
+def _demo():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import demo
+    import pretrain_gpt
+
+    return demo, pretrain_gpt
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 3, 4, 8])
+def test_demo_arguments_fit_each_machine(gpus, tmp_path):
+    """The demo's flags pass validate_args for its process count: CPU model on a CPU, GPT-2 small on GPUs."""
+    demo, pretrain_gpt = _demo()
+    nproc, argv = demo.demo_args(gpus, [], str(tmp_path))
+    args = validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), nproc)
+    assert (args.num_layers, args.hidden_size) == ((12, 768) if gpus else (4, 128))
+    assert args.bf16 == bool(gpus) and args.save == str(tmp_path / "demo_checkpoint")
+    assert nproc == {0: 8, 1: 1, 2: 2, 3: 2, 4: 4, 8: 8}[gpus]
+    if gpus:  # ~3 minutes on one H100: GPT-2 small's shape, 1500 iterations of 128 x 512 tokens
+        assert (args.num_attention_heads, args.seq_length, args.global_batch_size) == (12, 512, 128)
+
+
+def test_demo_with_few_iterations_scales_its_warmup(tmp_path):
+    """python3 examples/demo.py --train-iters 10 used to fail 8 times over (warmup 20 >= decay 10)."""
+    demo, pretrain_gpt = _demo()
+    nproc, argv = demo.demo_args(0, ["--train-iters", "10"], str(tmp_path))
+    args = validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), nproc)
+    assert (args.train_iters, args.lr_warmup_iters) == (10, 1)
+    _, argv = demo.demo_args(0, ["--train-iters", "10", "--lr-warmup-iters", "30"], str(tmp_path))
+    with pytest.raises(ArgumentError, match=r"--lr-warmup-iters \(30\) must be < --lr-decay-iters \(10"):
+        validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), nproc)

@@ -714,7 +714,7 @@ def test_fusion_disabled_uses_fallback_gpu():
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_gpt_training_step_with_fusion_equals_without_gpu(family):
     """One bf16 forward/backward of a small GPT on the kernels equals the plain-PyTorch step."""
-    from models import GPTModel, gpt2_config, llama_config
+    from parallel3d.models import GPTModel, gpt2_config, llama_config
 
     make = gpt2_config if family == "gpt2" else llama_config
     cfg = make("tiny", bf16=True, hidden_dropout=0.0, attention_dropout=0.0, seq_length=128)

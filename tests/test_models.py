@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import models.attention as attention_module
-import models.ops as ops_module
-from models import GPTModel, gather_logits, gpt2_config, llama_config, llama_ffn_hidden_size
+import parallel3d.models.attention as attention_module
+import parallel3d.models.ops as ops_module
+from parallel3d.models import GPTModel, gather_logits, gpt2_config, llama_config, llama_ffn_hidden_size
 from parallel3d import parallel_state as ps
 from parallel3d import tensor_parallel as tp
 from parallel3d.tensor_parallel import split_tensor_for_rank

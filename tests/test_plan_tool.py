@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from tools import plan
+from parallel3d.tools import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",

@@ -13,7 +13,7 @@ from parallel3d.data import IndexedDataset, build_pretraining_data_loader, build
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # tools/ is not installed with the package
     sys.path.insert(0, REPO_ROOT)
-from tools import preprocess_data  # noqa: E402
+from parallel3d.tools import preprocess_data  # noqa: E402
 TEXTS = ["hello world", "", "héllo 世界\nsecond line", "a" * 300, "x"]
 
 
@@ -34,7 +34,8 @@ def test_byte_tokenizer_two_workers_round_trip(tmp_path):
     )
     assert prefixes == {"text": out + "_text_document", "title": out + "_title_document"}
     assert sorted(os.listdir(tmp_path)) == sorted(
-        ["corpus.jsonl", "out_text_document.bin", "out_text_document.idx", "out_title_document.bin", "out_title_document.idx"]
+        ["corpus.jsonl", "out_text_document.bin", "out_text_document.idx", "out_text_document.stats.json",
+         "out_title_document.bin", "out_title_document.idx", "out_title_document.stats.json"]
     )
     tok = build_tokenizer("byte")
     for key in ("text", "title"):

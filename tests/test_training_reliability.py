@@ -250,7 +250,9 @@ def test_sigterm_saves_and_exits_zero_and_resume_continues(tmp_path):
     assert f"exiting after iteration {saved}: received SIGTERM" in out, out[-2000:]
     assert f"saved checkpoint of iteration {saved}" in out and saved >= 3
 
-    agent = _launch(2, argv + ["--load", str(ckpt), "--train-iters", str(saved + 2)], tmp_path)
+    # a shorter --train-iters than the saved job's: Megatron's rule wants the schedule's source named
+    agent = _launch(2, argv + ["--load", str(ckpt), "--train-iters", str(saved + 2),
+                               "--use-checkpoint-opt_param-scheduler"], tmp_path)
     try:
         rc = agent.wait(timeout=180)
     finally:

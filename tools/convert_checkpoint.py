@@ -39,11 +39,13 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from models.config import TransformerConfig  # noqa: E402
+from parallel3d.progress import make_bar  # noqa: E402
+
+from parallel3d.models.config import TransformerConfig  # noqa: E402
 from parallel3d.checkpointing import LATEST_FILE, _fsync_dir  # noqa: E402
-from tools.checkpoint.hf import HfLoader, HfSaver  # noqa: E402
-from tools.checkpoint.parallel3d_format import Parallel3dLoader, Parallel3dSaver  # noqa: E402
-from tools.checkpoint.schema import ConversionError, check_unit, embedding_specs, head_specs, layer_specs  # noqa: E402
+from parallel3d.tools.checkpoint.hf import HfLoader, HfSaver  # noqa: E402
+from parallel3d.tools.checkpoint.parallel3d_format import Parallel3dLoader, Parallel3dSaver  # noqa: E402
+from parallel3d.tools.checkpoint.schema import ConversionError, check_unit, embedding_specs, head_specs, layer_specs  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -178,9 +180,31 @@ def convert(loader: str, saver: str, load_dir: str, save_dir: str, *, target_ten
     return save_dir
 
 
+class UnitProgress:
+    """convert()'s progress callback: a bar over the units on a terminal, "converted ..." lines elsewhere.
+
+    The unit count (layers + embedding + head) is learned from the first "layer i/N" message."""
+
+    def __init__(self) -> None:
+        self.bar = make_bar(None, "converting", unit="unit")
+
+    def __call__(self, msg: str) -> None:
+        if self.bar is None:
+            print(f"converted {msg}", flush=True)
+            return
+        if self.bar.total is None and msg.startswith("layer ") and "/" in msg:
+            self.bar.total = int(msg.rsplit("/", 1)[1]) + 2
+        self.bar.set_postfix_str(msg, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = get_args(argv)
-    say = (lambda _msg: None) if args.quiet else (lambda msg: print(f"converted {msg}", flush=True))
+    say = (lambda _msg: None) if args.quiet else UnitProgress()
     try:
         convert(args.loader, args.saver, args.load_dir, args.save_dir,
                 target_tensor_parallel_size=args.target_tensor_parallel_size,
@@ -190,6 +214,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    finally:
+        getattr(say, "close", lambda: None)()
     if not args.quiet:
         print(f"wrote {args.saver} checkpoint to {args.save_dir}", flush=True)
     return 0

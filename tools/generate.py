@@ -31,7 +31,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from models import GPTModel, TransformerConfig  # noqa: E402
+from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import parallel_state  # noqa: E402
 from parallel3d.device import default_backend, default_device  # noqa: E402
 from parallel3d.checkpointing import (  # noqa: E402
@@ -45,11 +45,11 @@ from parallel3d.checkpointing import (  # noqa: E402
 )
 from parallel3d.data import build_tokenizer  # noqa: E402
 from parallel3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
-from models.generation import check_generation_args, generate  # noqa: E402
+from parallel3d.models.generation import check_generation_args, generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.training_guards import errors_as_one_line  # noqa: E402
-from tools.checkpoint.parallel3d_format import config_from_metadata  # noqa: E402
-from tools.checkpoint.schema import ConversionError  # noqa: E402
+from parallel3d.tools.checkpoint.parallel3d_format import config_from_metadata  # noqa: E402
+from parallel3d.tools.checkpoint.schema import ConversionError  # noqa: E402
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -60,7 +60,9 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     prompt.add_argument("--prompt-ids", default=None, help="comma-separated token ids")
     prompt.add_argument("--prompt", default=None, help="text, tokenized with --tokenizer-type/--tokenizer-model")
     p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
-    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--tokenizer-model", default=None, help="tokenizer.json (or its directory) for HuggingFaceTokenizer")
+    p.add_argument("--vocab-file", default=None, help="GPT-2's vocab.json for GPT2BPETokenizer")
+    p.add_argument("--merge-file", default=None, help="GPT-2's merges.txt for GPT2BPETokenizer")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default without sampling options)")
     p.add_argument("--temperature", type=float, default=None)
@@ -125,7 +127,8 @@ def _prepare(args: argparse.Namespace, world_size: int) -> tuple[Any, list[int],
                     top_k=args.top_k or 0, top_p=args.top_p or 0.0)
     if args.prompt is not None and args.tokenizer_type is None:
         raise ValueError("--prompt needs --tokenizer-type (and --tokenizer-model for HuggingFaceTokenizer)")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model) if args.tokenizer_type else None
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_file=args.vocab_file,
+                                merge_file=args.merge_file) if args.tokenizer_type else None
     if args.prompt is not None:
         prompt_ids = tokenizer.tokenize(args.prompt)
     else:
@@ -194,5 +197,11 @@ def _generate(args: argparse.Namespace, tokenizer, prompt_ids: list[int], config
     return result
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """The console script (errors exit inside main with their own status)."""
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

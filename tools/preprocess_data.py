@@ -25,6 +25,7 @@ if __package__ in (None, ""):
 
 from parallel3d.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype, get_bin_path, get_idx_path
 from parallel3d.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from parallel3d.progress import make_bar
 
 
 class BadInputLine(ValueError):
@@ -38,15 +39,17 @@ _TOKENIZER = None
 class Encoder:
     """Turns one input line into token ids per json key (picklable: holds only options)."""
 
-    def __init__(self, json_keys: list[str], tokenizer_type: str, tokenizer_model: str | None, append_eod: bool) -> None:
+    def __init__(self, json_keys: list[str], tokenizer_type: str, tokenizer_model: str | None, append_eod: bool,
+                 vocab_file: str | None = None, merge_file: str | None = None) -> None:
         self.json_keys = json_keys
         self.tokenizer_type = tokenizer_type
         self.tokenizer_model = tokenizer_model
         self.append_eod = append_eod
+        self.bpe_files = {"vocab_file": vocab_file, "merge_file": merge_file}
 
     def initializer(self) -> None:
         global _TOKENIZER
-        _TOKENIZER = build_tokenizer(self.tokenizer_type, self.tokenizer_model)
+        _TOKENIZER = build_tokenizer(self.tokenizer_type, self.tokenizer_model, **self.bpe_files)
 
     def encode(self, item: tuple[int, bytes]) -> tuple[int, str | None, dict | None, int]:
         """(line number, error or None, {key: token ids} or None for a skipped line, bytes read)."""
@@ -87,6 +90,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", default="byte", choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", default=None, help="tokenizer.json (or its directory) for HuggingFaceTokenizer")
+    group.add_argument("--vocab-file", default=None, help="GPT-2's vocab.json for GPT2BPETokenizer")
+    group.add_argument("--merge-file", default=None, help="GPT-2's merges.txt for GPT2BPETokenizer")
     group.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
@@ -116,9 +121,10 @@ def output_prefix_for_key(output_prefix: str, key: str) -> str:
 def main(argv: list[str] | None = None) -> dict[str, str]:
     """Run the tool; returns {json key: written path prefix}. Raises on bad input."""
     args = get_args(argv)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)  # fail early on a bad tokenizer
+    bpe_files = {"vocab_file": args.vocab_file, "merge_file": args.merge_file}
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, **bpe_files)  # fail early on a bad one
     dtype = best_fitting_dtype(tokenizer.vocab_size)
-    encoder = Encoder(args.json_keys, args.tokenizer_type, args.tokenizer_model, args.append_eod)
+    encoder = Encoder(args.json_keys, args.tokenizer_type, args.tokenizer_model, args.append_eod, **bpe_files)
     prefixes = {key: output_prefix_for_key(args.output_prefix, key) for key in args.json_keys}
     builders = {key: IndexedDatasetBuilder(get_bin_path(prefix), dtype) for key, prefix in prefixes.items()}
 
@@ -126,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     total_bytes = 0
     num_docs = 0
     pool = None
+    # On a terminal a bar over the input's bytes (elapsed, MB/s, ETA); elsewhere the log lines below.
+    bar = make_bar(os.path.getsize(args.input), "tokenizing", unit="B", unit_scale=True)
     try:
         with open(args.input, "rb") as fin:
             if args.workers == 1:
@@ -136,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
                 encoded = pool.imap(encoder.encode, enumerate(fin, start=1), chunksize=32)
             for lineno, error, ids, nbytes in encoded:
                 total_bytes += nbytes
+                if bar is not None:
+                    bar.update(nbytes)
                 if error is not None:
                     raise BadInputLine(f"{args.input}: line {lineno}: {error}")
                 if ids is None:
@@ -143,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
                 for key, doc_ids in ids.items():
                     builders[key].add_document(doc_ids, [len(doc_ids)] if doc_ids else [])
                 num_docs += 1
-                if num_docs % args.log_interval == 0:
+                if num_docs % args.log_interval == 0 and bar is None:
                     elapsed = max(time.time() - start, 1e-9)
                     print(
                         f"Processed {num_docs} documents ({num_docs / elapsed:.1f} docs/s, "
@@ -157,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
             builder.cancel()
         raise
     finally:
+        if bar is not None:
+            bar.close()
         if pool is not None:
             pool.terminate()
             pool.join()
@@ -164,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     return prefixes
 
 
-def _cli() -> int:
+def cli() -> int:
+    """The console script: 0 on success, 1 with one error line."""
     try:
         main()
     except (ValueError, FileNotFoundError, ImportError) as e:
@@ -174,4 +187,4 @@ def _cli() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_cli())
+    sys.exit(cli())

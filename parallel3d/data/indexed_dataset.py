@@ -28,6 +28,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from parallel3d.data.token_stats import record_max_token_id
+
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _INDEX_VERSION = 1
 # magic(9) + version(8) + dtype code(1) + sequence count(8) + document count(8)
@@ -105,6 +107,7 @@ class IndexedDatasetBuilder:
         self.data_file = open(self._tmp_bin_path, "wb")
         self.sequence_lengths: list[int] = []
         self.document_indices: list[int] = [0]
+        self.max_token_id = -1  # recorded beside the .idx (token_stats) to catch a tokenizer mismatch
 
     def _to_dtype(self, tokens) -> np.ndarray:
         array = _as_numpy(tokens).reshape(-1)
@@ -128,6 +131,7 @@ class IndexedDatasetBuilder:
         array = self._to_dtype(tokens)
         self.data_file.write(array.tobytes(order="C"))
         self.sequence_lengths.append(int(array.size))
+        self.max_token_id = max(self.max_token_id, int(array.max())) if array.size else self.max_token_id
 
     def end_document(self) -> None:
         """Close the current document (for use after one or more ``add_item``)."""
@@ -143,6 +147,7 @@ class IndexedDatasetBuilder:
             )
         self.data_file.write(array.tobytes(order="C"))
         self.sequence_lengths.extend(lengths)
+        self.max_token_id = max(self.max_token_id, int(array.max())) if array.size else self.max_token_id
         self.document_indices.append(len(self.sequence_lengths))
 
     def finalize(self, idx_path: str) -> None:
@@ -171,6 +176,8 @@ class IndexedDatasetBuilder:
             os.remove(idx_path)
         os.replace(self._tmp_bin_path, self.bin_path)
         os.replace(tmp_idx_path, idx_path)
+        if idx_path.endswith(".idx") and self.bin_path == idx_path[:-4] + ".bin":
+            record_max_token_id(idx_path[:-4], self.max_token_id)
 
     def cancel(self) -> None:
         """Abandon the build: close and delete the temporary data file."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from parallel3d.data.gpt2_bpe import GPT2BPETokenizer
+
 # Tried in order when no eod is given.
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 
@@ -83,13 +85,21 @@ class HuggingFaceTokenizer:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-TOKENIZER_TYPES = ("byte", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = ("byte", "HuggingFaceTokenizer", "GPT2BPETokenizer")
 
 
 def build_tokenizer(
-    tokenizer_type: str = "byte", tokenizer_model: str | None = None, eod: int | str | None = None
-) -> ByteTokenizer | HuggingFaceTokenizer:
-    """Megatron's ``--tokenizer-type`` / ``--tokenizer-model``; ``eod`` overrides the eod token."""
+    tokenizer_type: str = "byte", tokenizer_model: str | None = None, eod: int | str | None = None,
+    vocab_file: str | None = None, merge_file: str | None = None,
+) -> ByteTokenizer | HuggingFaceTokenizer | GPT2BPETokenizer:
+    """Megatron's ``--tokenizer-type`` / ``--tokenizer-model`` (``--vocab-file`` / ``--merge-file`` for
+    GPT2BPETokenizer); ``eod`` overrides the eod token."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        if tokenizer_model is not None or eod is not None:
+            raise ValueError("GPT2BPETokenizer reads --vocab-file and --merge-file; its eod is <|endoftext|>")
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if vocab_file is not None or merge_file is not None:
+        raise ValueError(f"--vocab-file/--merge-file belong to GPT2BPETokenizer, not {tokenizer_type}")
     if tokenizer_type == "byte":
         if tokenizer_model is not None:
             raise ValueError(f"the byte tokenizer takes no tokenizer_model, got {tokenizer_model!r}")

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..collectives import all_gather_into_tensor, reduce_scatter_tensor  # noqa: F401 - imported from here by ddp, ZeRO-1
+
 # Each ZeRO shard starts at a multiple of 64 elements (256 bytes in fp32): aligned
 # memory for the collectives and the optimizer's vectorised kernels.
 _SHARD_ALIGNMENT = 64
@@ -161,18 +163,6 @@ class ParamAndGradBuffer:
 
     def scale_gradients(self, scaling_factor: float) -> None:
         self.grad_data.mul_(scaling_factor)
-
-
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
-                          group=None, async_op: bool = False):
-    """``reduce_scatter_single`` where torch has it (2.13 deprecates the old name), else the old name."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=op, group=group, async_op=async_op)
-
-
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
 
 
 def backend_is_nccl(group) -> bool:

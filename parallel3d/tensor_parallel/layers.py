@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..collectives import reduce_scatter_tensor
 from ..device import default_device
 from .mappings import (
     all_reduce,
@@ -142,7 +143,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 (grad_input.size(0) // size,) + tuple(grad_input.shape[1:]), dtype=grad_input.dtype,
                 device=grad_input.device,
             )
-            handle = dist.reduce_scatter_tensor(sub_grad_input, grad_input.contiguous(), group=group, async_op=True)
+            handle = reduce_scatter_tensor(sub_grad_input, grad_input.contiguous(), group=group, async_op=True)
         elif ctx.allreduce_dgrad:
             grad_input = grad_input.contiguous()
             handle = dist.all_reduce(grad_input, group=group, async_op=True)

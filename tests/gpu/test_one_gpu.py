@@ -46,7 +46,7 @@ def test_tracker_forks_the_cuda_generator(on_cuda):
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_gpt_on_the_gpu_equals_the_cpu(on_cuda, family):
     """The same model and tokens, fp32: the GPU's loss and gradients equal the CPU's within 1e-5."""
-    from models import GPTModel, gpt2_config, llama_config
+    from parallel3d.models import GPTModel, gpt2_config, llama_config
 
     cfg = (gpt2_config if family == "gpt2" else llama_config)("tiny", hidden_dropout=0.0, attention_dropout=0.0,
                                                               seq_length=32)

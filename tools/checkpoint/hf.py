@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-from models.config import TransformerConfig
+from parallel3d.models.config import TransformerConfig
 from parallel3d.safetensors_stream import StreamingSafetensorsWriter
 
 from .hf_files import SAFETENSORS_FILE, TensorFiles, confined_path

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 from safetensors import safe_open
 
-from models.config import TransformerConfig
+from parallel3d.models.config import TransformerConfig
 from parallel3d.checkpoint_integrity import FILES_KEY, check_file
 from parallel3d.checkpointing import (
     FORMAT_VERSION,

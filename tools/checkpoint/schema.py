@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from models.config import TransformerConfig
+from parallel3d.models.config import TransformerConfig
 from parallel3d.tensor_parallel import merge_tensor_shards, split_tensor_for_rank
 
 

@@ -1,0 +1,166 @@
+"""A project-local virtual environment for the README's two commands, leaving the user's Python alone.
+
+    python3 examples/demo.py                  # calls reexec_in_venv(): re-runs itself inside .venv
+    python3 parallel3d/bootstrap.py --extras test --print-python   # .ci/run: prints .venv's python
+
+Standard library only: it runs before anything is installed, from Debian's system Python too
+(PEP 668 forbids pip there; a venv is the way it allows). What it does, once per change of
+pyproject.toml / setup.py (a stamp file in .venv records it):
+
+1. creates ``<checkout>/.venv`` with ``--system-site-packages``: packages of the Python that ran
+   it stay visible, so an installed torch (a CUDA build included) is reused, never replaced,
+   never downloaded again;
+2. only if no torch is importable there, installs torch 2.13.0 into .venv: where no NVIDIA GPU
+   is present (``nvidia-smi``) its CPU build (``2.13.0+cpu`` from pip's configured indexes or
+   local wheels if they have it, else from PyTorch's CPU index), else the default (CUDA) build;
+3. ``pip install -e <checkout>[extras]`` into .venv, with the torch found there pinned, so pip
+   can never swap it.
+
+``PARALLEL3D_NO_VENV=1`` skips all of this and uses the running interpreter as it is.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCH_VERSION = "2.13.0"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+_STAMP = "parallel3d-install.stamp"
+
+
+def _say(message: str) -> None:
+    print(f"parallel3d setup: {message}", file=sys.stderr, flush=True)
+
+
+def venv_dir(root: str = ROOT) -> str:
+    return os.path.join(root, ".venv")
+
+
+def venv_python(root: str = ROOT) -> str:
+    return os.path.join(venv_dir(root), "bin", "python")
+
+
+def running_in_venv(root: str = ROOT) -> bool:
+    return os.path.realpath(sys.prefix) == os.path.realpath(venv_dir(root))
+
+
+def has_nvidia_gpu() -> bool:
+    """Whether an NVIDIA GPU is visible, asked without torch (which may not be installed yet)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def torch_install_commands(pip: list[str], gpu: bool) -> list[list[str]]:
+    """The pip commands to try, in order, for a torch that is missing from the venv.
+
+    With no GPU, never the default index: on Linux it resolves torch's multi-GB CUDA build."""
+    spec = f"torch=={TORCH_VERSION}"
+    if gpu:
+        return [pip + ["install", spec]]
+    # The "+cpu" build from the indexes / find-links pip is configured with, if one has it (PyPI has
+    # none: that fails at once), else from PyTorch's CPU index.
+    return [pip + ["install", spec + "+cpu"], pip + ["install", "--index-url", TORCH_CPU_INDEX, spec]]
+
+
+def stamp_text(extras: Sequence[str], root: str = ROOT) -> str:
+    """What the install depends on: the checkout's path, its build files and the extras asked for."""
+    h = hashlib.sha256(os.path.realpath(root).encode())
+    for name in ("pyproject.toml", "setup.py"):
+        with open(os.path.join(root, name), "rb") as f:
+            h.update(f.read())
+    h.update(",".join(sorted(extras)).encode())
+    return h.hexdigest()
+
+
+def _run(cmd: list[str], quiet: bool = False) -> bool:
+    _say("running " + " ".join(cmd[2:] if cmd[1:3] == ["-m", "pip"] else cmd))
+    return subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else None).returncode == 0
+
+
+def _venv_torch_version(py: str) -> Optional[str]:
+    out = subprocess.run([py, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _create_venv(root: str) -> None:
+    _say(f"creating {venv_dir(root)} (--system-site-packages: {sys.executable}'s packages stay visible)")
+    proc = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv_dir(root)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(venv_dir(root), ignore_errors=True)
+        hint = (" Debian/Ubuntu: sudo apt install python3-venv." if "ensurepip" in proc.stderr + proc.stdout else "")
+        raise SystemExit(f"parallel3d setup: cannot create {venv_dir(root)}: {proc.stderr.strip()[-500:]}.{hint} "
+                         "Or set PARALLEL3D_NO_VENV=1 to use this Python as it is.")
+
+
+def ensure_venv(extras: Sequence[str] = (), root: str = ROOT) -> str:
+    """Create or reuse ``root/.venv`` holding parallel3d (editable) and its dependencies; return its python."""
+    py = venv_python(root)
+    if not os.path.exists(py):
+        _create_venv(root)
+    stamp = os.path.join(venv_dir(root), _STAMP)
+    want = stamp_text(extras, root)
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if f.read() == want:
+                return py
+    pip = [py, "-m", "pip", "--disable-pip-version-check", "-q"]
+    version = _venv_torch_version(py)
+    if version is None:
+        gpu = has_nvidia_gpu()
+        _say(f"no torch importable: installing torch {TORCH_VERSION} ({'GPU' if gpu else 'CPU'} build) into .venv")
+        if not any(_run(cmd) for cmd in torch_install_commands(pip, gpu)):
+            raise SystemExit("parallel3d setup: could not install torch; install it yourself (pytorch.org), "
+                             "then re-run")
+        version = _venv_torch_version(py)
+    else:
+        _say(f"using the installed torch {version}")
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(f"torch=={version}\n")  # pip may add packages, never swap this torch
+    target = root + (f"[{','.join(extras)}]" if extras else "")
+    try:
+        ok = _run(pip + ["install", "-c", f.name, "-e", target])
+    finally:
+        os.remove(f.name)
+    if not ok:
+        raise SystemExit(f"parallel3d setup: pip install -e {target} into {venv_dir(root)} failed (see above)")
+    with open(stamp, "w") as f:
+        f.write(want)
+    return py
+
+
+def reexec_in_venv(script: str, argv: Sequence[str], extras: Sequence[str] = ()) -> None:
+    """Run ``script argv`` inside the project's .venv (set up first); returns only when already there."""
+    if running_in_venv() or os.environ.get("PARALLEL3D_NO_VENV") == "1":
+        return
+    py = ensure_venv(extras)
+    os.execv(py, [py, script, *argv])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="create or reuse the project's .venv (see the module's docstring)")
+    p.add_argument("--extras", default="", help="comma-separated extras of parallel3d to install, e.g. test")
+    p.add_argument("--print-python", action="store_true", help="print the interpreter to use on stdout")
+    args = p.parse_args(argv)
+    extras = [e for e in args.extras.split(",") if e]
+    py = sys.executable if os.environ.get("PARALLEL3D_NO_VENV") == "1" else ensure_venv(extras)
+    if args.print_python:
+        print(py)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

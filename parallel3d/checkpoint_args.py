@@ -1,0 +1,61 @@
+"""--use-checkpoint-args (Megatron's load_args_from_checkpoint): the model's shape and layout from --load.
+
+Continuing from a converted Hugging Face model then needs no restated shape flags. The checkpoint's
+metadata.json records the TransformerConfig (every save and conversion writes it) and its TP / PP /
+virtual PP layout; a checkpoint saved by training also records its arguments, from which the
+tokenizer is taken when the command line names none. As in Megatron, the shape wins over the command
+line; the sequence length stays the command line's (bounded by the checkpoint's position table).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from parallel3d import checkpointing
+from parallel3d.checkpoint_integrity import CheckpointError
+
+# TransformerConfig field -> argument, copied as they are.
+_SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
+         "max_position_embeddings", "position_embedding_type", "rotary_base", "rotary_percent", "normalization",
+         "add_qkv_bias", "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "vocab_size")
+_TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+
+
+def _args_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    out = {name: cfg[name] for name in _SAME if name in cfg}
+    out["norm_epsilon"] = cfg.get("layernorm_epsilon", 1e-5)
+    out["swiglu"] = bool(cfg.get("gated_linear_unit"))
+    out["openai_gelu"] = cfg.get("activation") == "gelu_tanh"
+    out["disable_bias_linear"] = not cfg.get("add_bias_linear", True)
+    groups = cfg.get("num_query_groups")
+    out["group_query_attention"] = groups is not None and groups != cfg.get("num_attention_heads")
+    out["num_query_groups"] = groups if out["group_query_attention"] else None
+    return out
+
+
+def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
+    """Overwrite the model's shape and layout in ``args`` with the latest checkpoint's; return what changed."""
+    if not args.load:
+        raise CheckpointError("--use-checkpoint-args needs --load")
+    iteration = checkpointing.read_latest_iteration(args.load) if os.path.isdir(args.load) else None
+    if iteration is None:
+        raise CheckpointError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint to take arguments from")
+    ckpt_dir = checkpointing.find_checkpoint_dir(args.load, iteration)
+    meta = checkpointing.read_metadata(ckpt_dir)
+    cfg = meta.get("model_config")
+    if not isinstance(cfg, dict) or not cfg:
+        raise CheckpointError(f"--use-checkpoint-args: {ckpt_dir} records no model_config; give the shape flags")
+    new = _args_from_config(cfg)
+    layout = meta["layout"]
+    new["tensor_model_parallel_size"] = layout["tensor_model_parallel_size"]
+    new["pipeline_model_parallel_size"] = layout["pipeline_model_parallel_size"]
+    new["virtual_pipeline_model_parallel_size"] = layout.get("virtual_pipeline_model_parallel_size")
+    new["num_layers_per_virtual_pipeline_stage"] = None  # the virtual size above says it
+    saved_args = meta.get("args") or {}
+    if all(getattr(args, k, None) is None for k in _TOKENIZER_ARGS):
+        new.update({k: saved_args[k] for k in _TOKENIZER_ARGS if saved_args.get(k) is not None})
+    changed = [f"{k}={v}" for k, v in new.items() if getattr(args, k, None) != v]
+    for k, v in new.items():
+        setattr(args, k, v)
+    return changed

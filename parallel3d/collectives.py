@@ -1,0 +1,20 @@
+"""The tensor collectives under their current names: torch 2.13 deprecates ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` (a FutureWarning on every call) for ``all_gather_single`` / ``reduce_scatter_single``.
+Older torch (>= 2.3, our floor) has only the old names; these wrappers pick whichever exists."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
+                          group=None, async_op: bool = False):
+    """``reduce_scatter_single`` where torch has it, else ``reduce_scatter_tensor``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """``all_gather_single`` where torch has it, else ``all_gather_into_tensor``."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)

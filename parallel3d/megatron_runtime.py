@@ -1,0 +1,186 @@
+"""Megatron-LM's run-time behaviours around the training loop (the flags of megatron_args.py):
+
+- resume: a --load directory without a checkpoint starts from scratch with a notice (the first
+  launch of ``--save ckpt --load ckpt``); ``--finetune`` loads weights only and starts at iteration
+  0; the LR schedule of a resumed run must match the checkpoint's unless
+  ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler`` says which wins;
+- ``--exit-duration-in-mins``: every rank agrees to stop once the time is up;
+- ``--wandb-project``: Weights & Biases logging where wandb is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel3d import checkpointing
+from parallel3d.checkpoint_integrity import CheckpointError
+from parallel3d.device import default_device
+
+_FLAG_OF = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+            "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
+            "wsd_decay_steps": "--lr-wsd-decay-iters", "lr_wsd_decay_style": "--lr-wsd-decay-style",
+            "start_wd": "--weight-decay", "end_wd": "--weight-decay", "wd_incr_steps": "--train-iters",
+            "wd_incr_style": "weight-decay increment style"}
+_SAMPLE_FLAG_OF = {"lr_warmup_steps": "--lr-warmup-samples", "lr_decay_steps": "--lr-decay-samples",
+                   "wsd_decay_steps": "--lr-wsd-decay-samples", "wd_incr_steps": "--train-samples"}
+
+
+class ScheduleMismatchError(Exception):
+    """Not a CheckpointError: load_checkpoint would re-word it as a damaged optimizer file."""
+
+
+class CheckedScheduler:
+    """Stands in for the LR scheduler while a checkpoint loads: Megatron's rule for the saved schedule.
+
+    Equal schedules (or --override-opt_param-scheduler) keep this run's settings at the checkpoint's
+    step; --use-checkpoint-opt_param-scheduler takes the checkpoint's; anything else is refused,
+    naming each differing flag in the run's own units (iterations, or samples with --train-samples).
+    """
+
+    def __init__(self, scheduler: Any, args: argparse.Namespace) -> None:
+        self.scheduler, self.args = scheduler, args
+
+    def differences(self, saved: dict[str, Any]) -> list[str]:
+        current = self.scheduler.state_dict()
+        styles = {saved.get("lr_decay_style"), current["lr_decay_style"]}
+        # Compared only where they shape the schedule: a constant LR has no decay length, only WSD anneals,
+        # a constant weight decay has no increment length.
+        unused = {"lr_decay_steps"} if styles == {"constant"} else set()
+        unused |= {"wsd_decay_steps", "lr_wsd_decay_style"} if "WSD" not in styles else set()
+        unused |= {"wd_incr_steps"} if current["wd_incr_style"] == "constant" else set()
+        keys = [k for k in _FLAG_OF if k not in unused]
+        return [self._describe(k, saved.get(k), current[k]) for k in keys if saved.get(k) != current[k]]
+
+    def _describe(self, key: str, saved: Any, current: Any) -> str:
+        if key.endswith("_steps") and self.args.train_samples is None:
+            gbs = self.args.target_global_batch_size
+            saved, current = (None if v is None else v / gbs for v in (saved, current))
+            saved, current = (v if v is None or v % 1 else int(v) for v in (saved, current))
+        flag = _SAMPLE_FLAG_OF[key] if key in _SAMPLE_FLAG_OF and self.args.train_samples is not None \
+            else _FLAG_OF[key]
+        return f"{flag}: checkpoint {saved}, this run {current}"
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        if self.args.use_checkpoint_opt_param_scheduler:
+            self.scheduler.load_state_dict(saved)
+            return
+        diffs = self.differences(saved)
+        if diffs and not self.args.override_opt_param_scheduler:
+            raise ScheduleMismatchError(
+                "the learning-rate schedule differs from the checkpoint's (" + "; ".join(diffs) + "). Give "
+                "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule or "
+                "--override-opt_param-scheduler to use this run's flags")
+        state = dict(self.scheduler.state_dict(), num_steps=saved["num_steps"])
+        self.scheduler.load_state_dict(state)
+
+
+def _saved_args(load_dir: str, iteration: int) -> dict[str, Any]:
+    meta = checkpointing.read_metadata(checkpointing.find_checkpoint_dir(load_dir, iteration))
+    return meta.get("args") or {}
+
+
+def load_for_training(args: argparse.Namespace, model: Sequence[torch.nn.Module], optimizer: Any, scheduler: Any,
+                      model_config: Any, say: Callable[[str], None]) -> tuple[int, int, int]:
+    """Megatron's load step of ``pretrain``: (iteration, consumed train samples, consumed valid samples)."""
+    if not args.load:
+        return 0, 0, 0
+    exists = os.path.isdir(args.load)
+    latest = checkpointing.read_latest_iteration(args.load) if exists else None
+    if latest is None:
+        where = f"--load {args.load} " + ("holds no checkpoint" if exists else "does not exist yet")
+        if args.exit_on_missing_checkpoint:
+            raise CheckpointError(f"{where} (--exit-on-missing-checkpoint)")
+        say(f"notice: {where}: starting from scratch")
+        return 0, 0, 0
+    load_optim = not (args.no_load_optim or args.finetune)
+    load_rng = not (args.no_load_rng or args.finetune)
+    saved = _saved_args(args.load, latest)
+    for what, skipped, flag in (("optimizer", load_optim and saved.get("no_save_optim"), "--no-load-optim"),
+                                ("RNG", load_rng and saved.get("no_save_rng"), "--no-load-rng")):
+        if skipped:
+            raise CheckpointError(f"{args.load} (iteration {latest}) was saved without {what} state "
+                                  f"(--no-save-{'optim' if what == 'optimizer' else 'rng'}): resume with {flag}, "
+                                  "or with --finetune")
+    iteration, meta = checkpointing.load_checkpoint(
+        args.load, model, optimizer if load_optim else None, CheckedScheduler(scheduler, args) if load_optim else None,
+        model_config=model_config, load_optimizer=load_optim, load_rng=load_rng)
+    if args.finetune:
+        say(f"--finetune: loaded the weights of {args.load} (iteration {iteration}); training starts at iteration 0 "
+            "with a fresh optimizer, LR schedule and data order")
+        return 0, 0, 0
+    extra = meta.get("extra", {})
+    consumed_train = extra.get("consumed_train_samples", iteration * args.target_global_batch_size)
+    consumed_valid = extra.get("consumed_valid_samples", 0)
+    say(f"loaded {args.load} at iteration {iteration} ({consumed_train} samples consumed)")
+    if iteration >= args.train_iters:
+        say(f"notice: the checkpoint is at iteration {iteration} >= --train-iters {args.train_iters}: nothing to "
+            "train. Raise --train-iters to continue, or add --finetune to train these weights from iteration 0")
+    return iteration, consumed_train, consumed_valid
+
+
+def single_process_env() -> bool:
+    """Without a launcher (no RANK set, as ``python3 examples/pretrain_gpt.py``): become rank 0 of 1 on a
+    free local port, instead of torch's "environment variable RANK expected". True when it did so."""
+    if "RANK" in os.environ or dist.is_initialized():
+        return False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return True
+
+
+class DurationLimit:
+    """--exit-duration-in-mins: True on every rank once any rank's clock passed the limit (an all-reduce MAX,
+    so all ranks stop after the same iteration and save together)."""
+
+    def __init__(self, minutes: Optional[float], start: Optional[float] = None) -> None:
+        self.minutes = minutes
+        self.start = time.monotonic() if start is None else start
+
+    def reached(self) -> bool:
+        if self.minutes is None:
+            return False
+        over = torch.tensor([int((time.monotonic() - self.start) / 60.0 >= self.minutes)], device=default_device())
+        if dist.is_initialized():
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        return bool(over.item())
+
+
+_WANDB_MISSING = ("--wandb-project needs the wandb package: pip install wandb (or pip install 'parallel3d[wandb]'), "
+                  "or drop --wandb-project")
+
+
+class WandbSink:
+    """--wandb-project: every --log-json record goes to a wandb run too."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError(_WANDB_MISSING) from None
+        self.run = wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir,
+                              config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
+
+    def log(self, record: dict[str, Any]) -> None:
+        prefix = "eval/" if record.get("type") == "eval" else "train/"
+        values = {prefix + k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"}
+        self.run.log(values, step=record["iteration"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def check_wandb_available(args: argparse.Namespace) -> None:
+    """Refuse --wandb-project before any work when wandb is not installed (not a warning hours later)."""
+    if args.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ImportError(_WANDB_MISSING)

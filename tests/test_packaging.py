@@ -1,0 +1,226 @@
+"""Packaging (issue 14, items 1-5 and 20): license, metadata, the parallel3d.models / parallel3d.tools
+namespace, console scripts, the project-local venv of the README's commands, and the CUDA compile check."""
+import ast
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from parallel3d import bootstrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+with open(os.path.join(ROOT, "pyproject.toml"), "rb") as _f:
+    PYPROJECT = tomllib.load(_f)
+# import name -> distribution name, where they differ
+_DIST = {"yaml": "pyyaml"}
+
+
+def _python_files(*folders):
+    for folder in folders:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            yield from (os.path.join(dirpath, f) for f in files if f.endswith(".py"))
+
+
+def _top_level_imports(path):
+    tree = ast.parse(open(path).read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module.split(".")[0]
+
+
+def test_license_file_and_metadata():
+    text = open(os.path.join(ROOT, "LICENSE")).read()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS" in text
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    assert "LICENSE" in PYPROJECT["project"]["license-files"]
+    assert "Apache-2.0" in open(os.path.join(ROOT, "README.md")).read()
+
+
+def test_dependencies_are_the_imported_ones():
+    """Every third-party import of the installed code is a dependency or an extra, and each dependency is used."""
+    project = PYPROJECT["project"]
+    deps = {d.split(">")[0].split("=")[0].strip() for d in project["dependencies"]}
+    extras = {d for group in project["optional-dependencies"].values() for d in group}
+    own = {"parallel3d"} | set(sys.stdlib_module_names)
+    imported = {_DIST.get(m, m) for f in _python_files("parallel3d", "models", "tools") for m in _top_level_imports(f)}
+    third_party = imported - own
+    assert third_party <= deps | extras, third_party - deps - extras
+    assert deps <= imported, deps - imported  # einops was declared and imported nowhere
+    assert {"hf", "plot", "tensorboard", "wandb", "test"} <= set(project["optional-dependencies"])
+    assert "tokenizers" in project["optional-dependencies"]["hf"]
+
+
+def test_every_package_is_listed_and_models_tools_live_under_parallel3d():
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    mapping = PYPROJECT["tool"]["setuptools"]["package-dir"]
+    assert mapping == {"parallel3d.models": "models", "parallel3d.tools": "tools"}
+    found = set()
+    for top, name in (("parallel3d", "parallel3d"), ("models", "parallel3d.models"), ("tools", "parallel3d.tools")):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            if "__init__.py" in files:
+                rel = os.path.relpath(dirpath, os.path.join(ROOT, top))
+                found.add(name if rel == "." else name + "." + rel.replace(os.sep, "."))
+    assert found == listed
+    assert not any(p == "models" or p.startswith("models.") for p in listed)
+
+
+def test_nothing_imports_the_bare_models_or_tools_name():
+    for path in _python_files("parallel3d", "models", "tools", "examples", "bench", "tests"):
+        bare = {m for m in _top_level_imports(path) if m in ("models", "tools")}
+        assert not bare, f"{path} imports {bare}: use parallel3d.models / parallel3d.tools"
+
+
+def test_console_scripts_resolve():
+    scripts = PYPROJECT["project"]["scripts"]
+    assert {"parallel3d-preprocess-data", "parallel3d-convert-checkpoint", "parallel3d-generate",
+            "parallel3d-verify-checkpoint", "parallel3d-plot-log"} <= set(scripts)
+    for target in scripts.values():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func)), target
+
+
+@pytest.mark.parametrize("script", ["tools/verify_checkpoint.py", "tools/convert_checkpoint.py",
+                                    "tools/preprocess_data.py", "examples/pretrain_gpt.py"])
+def test_checkout_scripts_run_without_install(script, tmp_path):
+    """python3 tools/x.py from a checkout finds parallel3d.models / parallel3d.tools in the checkout."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout
+
+
+def test_checkout_shim_is_appended_after_the_package_dir():
+    import parallel3d
+    import parallel3d.models
+
+    assert parallel3d.__path__[0] == os.path.join(ROOT, "parallel3d")
+    assert os.path.dirname(parallel3d.models.__file__) == os.path.join(ROOT, "models")
+
+
+def test_wheel_holds_models_and_tools_inside_parallel3d(tmp_path):
+    """A non-editable build: parallel3d/models and parallel3d/tools in the wheel, no top-level models."""
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    for f in files:
+        if os.path.exists(os.path.join(ROOT, f)):
+            os.makedirs(src / os.path.dirname(f), exist_ok=True)
+            shutil.copy(os.path.join(ROOT, f), src / f)
+    env = dict(os.environ, PARALLEL3D_NO_CUDA_EXT="1")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path / "dist"), str(src)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0 and "setuptools>=77" in proc.stderr:
+        pytest.skip("setuptools too old here to build")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import zipfile
+
+    (wheel,) = (tmp_path / "dist").iterdir()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "parallel3d/models/gpt.py" in names and "parallel3d/tools/checkpoint/hf.py" in names
+    assert not any(n.startswith(("models/", "tools/")) for n in names)
+    assert any(n.endswith("licenses/LICENSE") for n in names)
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "parallel3d-convert-checkpoint" in entry_points
+
+
+# ----------------------------------------------------------------------------- the project-local venv
+
+
+def test_torch_install_never_takes_the_default_cuda_build_without_a_gpu():
+    pip = ["py", "-m", "pip"]
+    for cmd in bootstrap.torch_install_commands(pip, gpu=False):
+        spec = cmd[-1]
+        assert spec.endswith("+cpu") or bootstrap.TORCH_CPU_INDEX in cmd, cmd
+    assert bootstrap.torch_install_commands(pip, gpu=True) == [pip + ["install", f"torch=={bootstrap.TORCH_VERSION}"]]
+
+
+def _fake_checkout(tmp_path):
+    for name in ("pyproject.toml", "setup.py"):
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
+    py = tmp_path / ".venv" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("")
+    return str(tmp_path)
+
+
+def test_venv_keeps_an_installed_torch_and_pins_it(tmp_path, monkeypatch):
+    root = _fake_checkout(tmp_path)
+    ran = []
+    monkeypatch.setattr(bootstrap, "_venv_torch_version", lambda py: "2.5.1+cu124")
+    monkeypatch.setattr(bootstrap, "_run", lambda cmd, quiet=False: ran.append(
+        (cmd, open(cmd[cmd.index("-c") + 1]).read())) or True)
+    py = bootstrap.ensure_venv(["test"], root)
+    assert py == os.path.join(root, ".venv", "bin", "python")
+    ((cmd, constraint),) = ran  # one pip call: the package; torch is not installed
+    assert cmd[-2:] == ["-e", root + "[test]"] and constraint == "torch==2.5.1+cu124\n"
+    ran.clear()
+    bootstrap.ensure_venv(["test"], root)  # the stamp matches: no pip at all
+    assert ran == []
+
+
+def test_venv_installs_cpu_torch_only_when_missing(tmp_path, monkeypatch):
+    root = _fake_checkout(tmp_path)
+    versions = iter([None, "2.13.0+cpu"])
+    ran = []
+    monkeypatch.setattr(bootstrap, "_venv_torch_version", lambda py: next(versions))
+    monkeypatch.setattr(bootstrap, "has_nvidia_gpu", lambda: False)
+    monkeypatch.setattr(bootstrap, "_run", lambda cmd, quiet=False: ran.append(cmd) or True)
+    bootstrap.ensure_venv([], root)
+    assert ran[0][-1] == f"torch=={bootstrap.TORCH_VERSION}+cpu" and ran[1][-2:] == ["-e", root]
+
+
+def test_bootstrap_cli_respects_no_venv(tmp_path):
+    env = dict(os.environ, PARALLEL3D_NO_VENV="1")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "parallel3d", "bootstrap.py"), "--print-python"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == sys.executable
+
+
+# ----------------------------------------------------------------------------- item 20: CUDA compile check
+
+
+def _compile_check(tmp_path, sources, python=sys.executable):
+    (tmp_path / ".ci").mkdir(exist_ok=True)
+    shutil.copy(os.path.join(ROOT, ".ci", "compile_cuda.sh"), tmp_path / ".ci" / "compile_cuda.sh")
+    csrc = tmp_path / "csrc"
+    shutil.rmtree(csrc, ignore_errors=True)
+    csrc.mkdir()
+    for name, text in sources.items():
+        (csrc / name).write_text(text)
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"  # a CUDA "toolkit" without the cuBLAS headers
+    nvcc.parent.mkdir(parents=True, exist_ok=True)
+    nvcc.write_text('#!/bin/sh\ncase "$2" in *bad*) echo "$2(3): error: expected a \';\'"; exit 1;; esac\n'
+                    'touch "$4"\n')
+    nvcc.chmod(0o755)
+    env = dict(os.environ, PATH=f"{nvcc.parent}:{os.environ['PATH']}", PYTHON=python, COMPILE_JOBS="2")
+    return subprocess.run(["bash", str(tmp_path / ".ci" / "compile_cuda.sh")], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_compile_check_fails_on_a_compile_error_and_names_skips(tmp_path):
+    cublas = '#include <ATen/cuda/CUDAContext.h>\n'
+    proc = _compile_check(tmp_path, {"good.cu": "", "bad.cu": "", "grad_accum.cu": cublas})
+    assert proc.returncode == 1, proc.stdout
+    assert "ERROR csrc/bad.cu" in proc.stdout and "ok    csrc/good.cu" in proc.stdout
+    assert "SKIPPED csrc/grad_accum.cu" in proc.stdout and "FAILED" in proc.stdout
+    proc = _compile_check(tmp_path, {"good.cu": "", "grad_accum.cu": cublas})
+    assert proc.returncode == 0, proc.stdout
+    assert "1 files compiled" in proc.stdout and "1 SKIPPED (csrc/grad_accum.cu)" in proc.stdout
+
+
+def test_compile_check_is_an_error_when_nvcc_exists_but_torch_does_not(tmp_path):
+    fake = tmp_path / "python-without-torch"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    proc = _compile_check(tmp_path, {"good.cu": ""}, python=str(fake))
+    assert proc.returncode == 1 and "cannot import torch" in proc.stdout
