@@ -20,7 +20,7 @@ from parallel3d import parallel_state
 
 from .executor import PipelineGroup, ScheduleExecutor
 from .p2p import TensorSpec
-from .schedules import Schedule, build_schedule, forward_only_schedule
+from .schedules import V_SHAPED, Schedule, build_schedule, forward_only_schedule
 from .simulate import validate
 
 
@@ -72,7 +72,8 @@ def default_schedule_name(pipeline_size: int, virtual_size: Optional[int]) -> st
 def _checked_schedule(name: str, stages: int, microbatches: int, chunks: int, forward_only: bool) -> Schedule:
     """Built and validated once per shape; Schedule is frozen, so sharing the cached object is safe."""
     if forward_only:  # any microbatch count works without backwards
-        return forward_only_schedule(Schedule(name, stages, microbatches, chunks, ()))
+        placement = "v" if name in V_SHAPED else "loop"  # the model chunks were built for it
+        return forward_only_schedule(Schedule(name, stages, microbatches, chunks, (), placement))
     schedule = build_schedule(name, stages, microbatches, chunks)
     validate(schedule)
     return schedule
