@@ -36,6 +36,7 @@ from parallel3d.data import (  # noqa: E402
 )
 from models.generation import generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
+from parallel3d.pipeline.schedules import placement_of  # noqa: E402
 from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
 from parallel3d.training import initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
@@ -127,7 +128,7 @@ def layer_partition(args: argparse.Namespace) -> list[list[range]]:
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     if first is None and last is None:
-        return partition_layers(args.num_layers, pp, vp)
+        return partition_layers(args.num_layers, pp, vp, placement=placement_of(getattr(args, "pipeline_schedule", None)))
     if vp != 1:
         raise ArgumentError("--decoder-first/last-pipeline-num-layers need one chunk per pipeline rank")
     inner = args.num_layers - (first or 0) - (last or 0)

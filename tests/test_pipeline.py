@@ -225,18 +225,20 @@ def _variable_and_tuple(rank, world_size):
         ref.append(loss.item() * M)
     ref_grads = {(i, n): p.grad for i, l in zip(full.layer_ids, full.layers) for n, p in l.named_parameters()}
     results = []
-    for P, V in ((4, 1), (2, 2), (4, 2)):
+    for P, V, schedule in ((4, 1, None), (2, 2, None), (4, 2, None), (4, 1, "zb-h1"), (2, 2, "zb-v"),
+                           (2, 2, "dualpipev")):  # zb-h1 runs with its receives hoisted over W
         ps.initialize_model_parallel(pipeline_model_parallel_size=P, virtual_pipeline_model_parallel_size=V
                                      if V > 1 else None)
         try:
             pp_rank = ps.get_pipeline_model_parallel_rank()
-            per = NUM_LAYERS // (P * V)
-            chunks = [TupleChunk(range((c * P + pp_rank) * per, (c * P + pp_rank + 1) * per),
-                                 c * P + pp_rank == 0, c * P + pp_rank == P * V - 1) for c in range(V)]
+            per, placement = NUM_LAYERS // (P * V), "v" if schedule in V_SHAPED else "loop"
+            stages = [virtual_stage(pp_rank, c, P, placement) for c in range(V)]
+            chunks = [TupleChunk(range(v * per, (v + 1) * per), v == 0, v == P * V - 1) for v in stages]
             losses = forward_backward(forward_step_func=_tuple_forward_step,
                                       data_iterator=[iter(make_batches(M, seq_of)) for _ in chunks],
-                                      model=chunks, num_microbatches=M, variable_seq_lengths=True)
-            if ps.is_pipeline_last_stage(ignore_virtual=True):
+                                      model=chunks, num_microbatches=M, variable_seq_lengths=True, schedule=schedule)
+            holds_loss = stages[-1] == P * V - 1
+            if holds_loss:
                 assert_close([d["loss"].item() for d in losses], ref, f"P={P} V={V} losses")
             for chunk in chunks:
                 for i, layer in zip(chunk.layer_ids, chunk.layers):
@@ -249,18 +251,26 @@ def _variable_and_tuple(rank, world_size):
                 evals = forward_backward(forward_step_func=_tuple_forward_step,
                                          data_iterator=[iter(make_batches(M, seq_of)) for _ in chunks],
                                          model=chunks, num_microbatches=m, variable_seq_lengths=True,
-                                         forward_only=True)
-                if ps.is_pipeline_last_stage(ignore_virtual=True):
+                                         forward_only=True, schedule=schedule)
+                if holds_loss:
                     assert_close([d["loss"].item() for d in evals], ref[:m], f"forward-only P={P} V={V} M={m}")
             assert all(p.grad is None for c in chunks for p in c.parameters()), "forward-only made gradients"
             results.append((P, V))
         finally:
             ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:  # an order that cannot negotiate shapes says so before any transfer
+        with pytest.raises(ValueError, match="cannot negotiate variable sequence lengths"):
+            forward_backward(forward_step_func=_tuple_forward_step, data_iterator=iter([]), model=[TupleChunk(
+                range(0), True, False)], num_microbatches=4, variable_seq_lengths=True, schedule="zb-h2")
+    finally:
+        ps.destroy_model_parallel()
     return results
 
 
 def test_variable_seq_lengths_tuples_and_forward_only():
-    assert run_distributed(_variable_and_tuple, 4, timeout=120) == [[(4, 1), (2, 2), (4, 2)]] * 4
+    want = [(4, 1), (2, 2), (4, 2), (4, 1), (2, 2), (2, 2)]  # the last three: zb-h1, zb-v, dualpipev
+    assert run_distributed(_variable_and_tuple, 4, timeout=120) == [want] * 4
 
 
 class _SavedCounter:

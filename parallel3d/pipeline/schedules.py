@@ -212,6 +212,11 @@ def default_num_model_chunks(name: str) -> int:
     return 2 if name in V_SHAPED else 1
 
 
+def placement_of(name: Optional[str]) -> str:
+    """Where a schedule puts each rank's chunks: what the model must be built for."""
+    return "v" if name in V_SHAPED else "loop"
+
+
 def _check_zero_bubble_args(name: str, P: int, M: int, V: int, group_size: int | None) -> None:
     if group_size is not None:
         raise ValueError(f"microbatch_group_size_per_vp_stage only applies to 'interleaved-1f1b', not {name!r}")

@@ -182,8 +182,12 @@ def _batch_ends(actions: list[Action]) -> list[int]:
 
 
 def _run(schedule: Schedule, partner: dict[Slot, Slot], duration: Callable[[int, Action], float],
-         comm_time: float, sends_block: bool = True) -> tuple[list[list[tuple[float, float, Action]]], list[float]]:
+         comm_time: float, sends_block: bool = True,
+         headers: bool = False) -> tuple[list[list[tuple[float, float, Action]]], list[float]]:
     """Execute the schedule under the rendezvous model; raise ScheduleError on deadlock.
+
+    ``headers``: the executor with variable_seq_lengths, where a batch first exchanges the shape
+    headers of its forward-direction transfers (a round of its own) and only then the data.
 
     Returns per-rank compute timelines and each rank's finish time.  The result does not
     depend on the order ranks are visited in: posting never un-happens, so progress is monotone.
@@ -193,6 +197,7 @@ def _run(schedule: Schedule, partner: dict[Slot, Slot], duration: Callable[[int,
     ends = [_batch_ends(a) for a in acts]
     pc, clock = [0] * P, [0.0] * P
     posted: dict[Slot, float] = {}  # comm op -> time its rank reached its batch
+    header_posted: set[Slot] = set()
     timelines: list[list[tuple[float, float, Action]]] = [[] for _ in range(P)]
 
     progress = True
@@ -209,6 +214,10 @@ def _run(schedule: Schedule, partner: dict[Slot, Slot], duration: Callable[[int,
                     progress = True
                     continue
                 batch = range(pc[r], ends[r][pc[r]])
+                negotiated = [i for i in batch if headers and acts[r][i].kind.endswith("_F")]
+                header_posted.update((r, i) for i in negotiated)
+                if any(partner[(r, i)] not in header_posted for i in negotiated):
+                    break  # the header round waits for every peer's header round
                 for i in batch:
                     posted.setdefault((r, i), clock[r])
                 # Without sends_block (the paper's model: a transfer never holds up its sender),
@@ -282,11 +291,12 @@ def _check_batches_pair_up(schedule: Schedule, partner: dict[Slot, Slot]) -> Non
         seen.setdefault(key, (other, (rank, i)))
 
 
-def validate(schedule: Schedule) -> None:
-    """Raise ScheduleError unless the schedule is complete, correctly matched and deadlock-free."""
+def validate(schedule: Schedule, negotiate_shapes: bool = False) -> None:
+    """Raise ScheduleError unless the schedule is complete, correctly matched and deadlock-free
+    (with ``negotiate_shapes``: also when each batch first exchanges shape headers)."""
     partner = _check_and_match(schedule)
     _check_batches_pair_up(schedule, partner)
-    _run(schedule, partner, lambda rank, action: 1.0, 0.0)
+    _run(schedule, partner, lambda rank, action: 1.0, 0.0, headers=negotiate_shapes)
 
 
 @dataclass

@@ -22,9 +22,10 @@ so, as for interleaved 1F1B, level by level every batch finds its peers; ``valid
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
-from .schedules import Action, ActionKind, stage_location, virtual_stage
+from .schedules import Action, ActionKind, Schedule, stage_location, virtual_stage
 
 Step = tuple[str, int, int]  # (kind "F" | "B" | "W", microbatch, chunk)
 Times = tuple[float, float, float]  # (forward, backward = input gradient, weight gradient)
@@ -115,6 +116,27 @@ def with_comm(orders: Sequence[Sequence[Step]], P: int, V: int, placement: str,
         out += [c[2] for c in pending[k:]]
         actions.append(out)
     return actions
+
+
+def hoist_receives_over_w(schedule: Schedule) -> Schedule:
+    """The schedule with every RECV moved before the W steps that precede its compute.
+
+    With variable_seq_lengths a batch first exchanges the shape headers of its forward
+    transfers and waits for them, so its sends then wait for receives a peer may only post
+    after a batch of its own that waits for us (ZB-H1: rank 0 sends F and awaits B in one
+    batch, rank 1 sends that B, runs a W, then receives the F).  Hoisting the receive over
+    the W puts it in the batch of the send before: both directions pair up in one batch.
+    """
+    actions = []
+    for rank_actions in schedule.actions:
+        out: list[Action] = []
+        for a in rank_actions:
+            at = len(out)
+            while a.kind.startswith("RECV") and at > 0 and out[at - 1].kind == ActionKind.W:
+                at -= 1
+            out.insert(at, a)
+        actions.append(out)
+    return dataclasses.replace(schedule, actions=actions)
 
 
 # --- ZB-H1: handcrafted -------------------------------------------------------------------------
