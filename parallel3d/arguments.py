@@ -64,6 +64,14 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None)
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    # Megatron's layout flags (parallel3d.pipeline.layout); --pipeline-split is ours.
+    g.add_argument("--pipeline-model-parallel-layout", default=None,
+                   help="Megatron's layout string, e.g. 'Et|(tt|)*6L' (E embedding, t layer, L loss, | stage)")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
+    g.add_argument("--pipeline-split", choices=["balanced", "even"], default="balanced",
+                   help="without a layout: balance the stages by FLOPs, counting the output layer and loss "
+                        "(default), or give every stage the same number of layers (Megatron's default)")
     # Megatron picks its schedule from the layout and has no zero-bubble one: this flag is ours.
     g.add_argument("--pipeline-schedule", choices=SCHEDULE_NAMES, default=None,
                    help="pipeline schedule (default: 1f1b, interleaved-1f1b with virtual stages); zb-v and "
@@ -312,7 +320,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError(f"virtual pipeline stages ({vp}) need --pipeline-model-parallel-size > 1")
     vp = args.virtual_pipeline_model_parallel_size = _check_pipeline_schedule(args.pipeline_schedule, pp, vp)
     stages = pp * (vp or 1)
-    explicit = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    explicit = (args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+                or args.pipeline_model_parallel_layout or args.account_for_embedding_in_pipeline_split
+                or args.account_for_loss_in_pipeline_split)
     if not explicit and args.num_layers % stages != 0:
         raise ArgumentError(f"--num-layers ({args.num_layers}) is not divisible by the number of (virtual) "
                             f"pipeline stages ({pp} x {vp or 1} = {stages})")

@@ -40,7 +40,7 @@ ZB_LAYOUTS = [
     ("gpt2", 1, 2, 2, False, ["--pipeline-schedule", "zb-v", "--overlap-grad-reduce", "--recompute-granularity", "full"]),
     ("llama", 2, 2, 2, True, ["--pipeline-schedule", "dualpipev", "--use-distributed-optimizer"]),
     ("llama", 1, 4, 1, False, ["--pipeline-schedule", "zb-h2", "--recompute-granularity", "full",
-                               "--overlap-grad-reduce"]),
+                               "--overlap-grad-reduce", "--pipeline-model-parallel-layout", "Ettt|tt|tt|tL"]),
 ]
 
 
