@@ -51,28 +51,35 @@ def _dependencies(step: Step, rank: int, P: int, V: int, placement: str) -> list
 
 def time_orders(orders: Sequence[Sequence[Step]], P: int, V: int, placement: str, times: Times,
                 comm_time: float = 0.0) -> dict[tuple[int, Step], tuple[float, float]]:
-    """(start, end) of every step when each rank runs its order as early as its inputs allow."""
+    """(start, end) of every step when each rank runs its order as early as its inputs allow.
+
+    A depth-first walk: a step starts when the step before it on its rank and the steps it
+    consumes (plus comm_time from another rank) have ended.
+    """
     cost = {"F": times[0], "B": times[1], "W": times[2]}
+    index = {(r, step): k for r, order in enumerate(orders) for k, step in enumerate(order)}
+
+    def inputs(node: tuple[int, Step]) -> list[tuple[int, Step]]:
+        r, step = node
+        k = index[node]
+        return ([(r, orders[r][k - 1])] if k else []) + _dependencies(step, r, P, V, placement)
+
     span: dict[tuple[int, Step], tuple[float, float]] = {}
-    free, pos = [0.0] * P, [0] * P
-    progress = True
-    while progress:
-        progress = False
-        for r in range(P):
-            while pos[r] < len(orders[r]):
-                step = orders[r][pos[r]]
-                deps = _dependencies(step, r, P, V, placement)
-                if any(d not in span for d in deps):
-                    break
-                start = max([free[r]] + [span[d][1] + (comm_time if d[0] != r else 0.0) for d in deps])
-                span[(r, step)] = (start, start + cost[step[0]])
-                free[r] = start + cost[step[0]]
-                pos[r] += 1
-                progress = True
-    stuck = [r for r in range(P) if pos[r] < len(orders[r])]
-    if stuck:
-        r = stuck[0]
-        raise ValueError(f"internal error: rank {r} waits forever at {orders[r][pos[r]]} (cyclic order)")
+    for root in index:
+        stack, entered = [root], set()
+        while stack:
+            node = stack[-1]
+            missing = [d for d in inputs(node) if d not in span] if node not in span else []
+            if missing:
+                if node in entered:
+                    raise ValueError(f"internal error: rank {node[0]} waits forever at {node[1]} (cyclic order)")
+                entered.add(node)
+                stack += missing
+                continue
+            stack.pop()
+            if node not in span:
+                start = max([0.0] + [span[d][1] + (comm_time if d[0] != node[0] else 0.0) for d in inputs(node)])
+                span[node] = (start, start + cost[node[1][0]])
     return span
 
 
