@@ -40,6 +40,8 @@ from parallel3d.data import (  # noqa: E402
 )
 from parallel3d.models.generation import generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
+from parallel3d.pipeline.layout import LayoutError, layer_counts  # noqa: E402
+from parallel3d.pipeline.schedules import placement_of  # noqa: E402
 from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
 from parallel3d.training import initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
@@ -141,8 +143,14 @@ def layer_partition(args: argparse.Namespace) -> list[list[range]]:
     """result[pp_rank][chunk]: the global layers of each (virtual) pipeline stage."""
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    placement = placement_of(getattr(args, "pipeline_schedule", None))
     if first is None and last is None:
-        return partition_layers(args.num_layers, pp, vp)
+        try:  # a layout string, the account-for flags, or the FLOPs-balanced default
+            counts = layer_counts(args, pp * vp)
+        except LayoutError as e:
+            raise ArgumentError(str(e)) from None
+        return partition_layers(args.num_layers, pp, vp, layers_per_stage=counts, allow_empty_stages=counts is not None,
+                                placement=placement)
     if vp != 1:
         raise ArgumentError("--decoder-first/last-pipeline-num-layers need one chunk per pipeline rank")
     inner = args.num_layers - (first or 0) - (last or 0)

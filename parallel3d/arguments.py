@@ -23,6 +23,7 @@ from parallel3d.megatron_args import (
     add_megatron_args,
     check_megatron_args,
 )
+from parallel3d.pipeline.schedules import SCHEDULE_NAMES, V_SHAPED
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -71,6 +72,20 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None)
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    # Megatron's layout flags (parallel3d.pipeline.layout); --pipeline-split is ours.
+    g.add_argument("--pipeline-model-parallel-layout", default=None,
+                   help="Megatron's layout string, e.g. 'Et|(tt|)*6L' (E embedding, t layer, L loss, | stage)")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as a layer of the first stage when splitting layers (Megatron's)")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the output layer and loss as a layer of the last stage when splitting (Megatron's)")
+    g.add_argument("--pipeline-split", choices=["balanced", "even"], default="balanced",
+                   help="without a layout: balance the stages by FLOPs, counting the output layer and loss "
+                        "(default), or give every stage the same number of layers (Megatron's default)")
+    # Megatron picks its schedule from the layout and has no zero-bubble one: this flag is ours.
+    g.add_argument("--pipeline-schedule", choices=SCHEDULE_NAMES, default=None,
+                   help="pipeline schedule (default: 1f1b, interleaved-1f1b with virtual stages); zb-v and "
+                        "dualpipev hold two chunks per rank in a V (virtual size 2 implied)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -196,6 +211,24 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _check_pipeline_schedule(name: Optional[str], pp: int, vp: Optional[int]) -> Optional[int]:
+    """The virtual pipeline size the schedule needs (2 for a V); an error where they disagree."""
+    if name is None:
+        return vp
+    if (pp == 1) != (name == "no-pipelining"):
+        raise ArgumentError(f"--pipeline-schedule {name} does not fit --pipeline-model-parallel-size {pp}")
+    if name in V_SHAPED:
+        if vp not in (None, 2):
+            raise ArgumentError(f"--pipeline-schedule {name} holds two chunks per rank in a V: "
+                                f"--virtual-pipeline-model-parallel-size must be 2 (or unset), got {vp}")
+        return 2
+    if name == "interleaved-1f1b" and vp is None:
+        raise ArgumentError("--pipeline-schedule interleaved-1f1b needs --virtual-pipeline-model-parallel-size > 1")
+    if name not in ("interleaved-1f1b", "auto") and vp is not None:
+        raise ArgumentError(f"--pipeline-schedule {name} runs one chunk per rank; drop the virtual pipeline size {vp}")
+    return vp
+
+
 # Range rules per flag: (flags, test, what the value must be). Optional flags (default None) are only
 # checked when given. Checked first, so later arithmetic (modulo, division) never sees a zero.
 _RANGES: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...] = (
@@ -301,8 +334,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.virtual_pipeline_model_parallel_size = vp = None
     if vp is not None and pp == 1:
         raise ArgumentError(f"virtual pipeline stages ({vp}) need --pipeline-model-parallel-size > 1")
+    vp = args.virtual_pipeline_model_parallel_size = _check_pipeline_schedule(args.pipeline_schedule, pp, vp)
     stages = pp * (vp or 1)
-    explicit = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    explicit = (args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+                or args.pipeline_model_parallel_layout or args.account_for_embedding_in_pipeline_split
+                or args.account_for_loss_in_pipeline_split)
     if not explicit and args.num_layers % stages != 0:
         raise ArgumentError(f"--num-layers ({args.num_layers}) is not divisible by the number of (virtual) "
                             f"pipeline stages ({pp} x {vp or 1} = {stages})")
@@ -315,7 +351,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
                             f"({args.data_parallel_size}) = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
-    if vp is not None and args.num_microbatches < pp:
+    if args.pipeline_schedule == "dualpipev" and args.num_microbatches < 2 * pp:
+        raise ArgumentError(f"--pipeline-schedule dualpipev needs at least 2 x --pipeline-model-parallel-size = "
+                            f"{2 * pp} microbatches per step, got {args.num_microbatches}")
+    if vp is not None and args.num_microbatches < pp and args.pipeline_schedule not in V_SHAPED:
         raise ArgumentError(f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
                             f"microbatches per step, got {args.num_microbatches} (= global batch "
                             f"{args.global_batch_size} / (micro batch {args.micro_batch_size} x DP "

@@ -41,6 +41,7 @@ from parallel3d.distributed import (
 )
 from parallel3d.megatron_args import scheduler_steps, update_num_microbatches
 from parallel3d.pipeline import forward_backward
+from parallel3d.pipeline.schedules import placement_of, virtual_stage
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
 from parallel3d.training_guards import ExitSignalHandler, StepGuard
 
@@ -95,8 +96,11 @@ def get_model(model_provider: Callable[..., torch.nn.Module], args: argparse.Nam
     """Build this rank's model chunks (one per virtual stage) and wrap each in DDP."""
     state = parallel_state.resolve_parallel_state()
     chunks = []
-    for c in range(args.virtual_pipeline_model_parallel_size or 1):
-        pre, post = state.is_pipeline_first_stage(vp_stage=c), state.is_pipeline_last_stage(vp_stage=c)
+    P, V = state.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
+    placement = placement_of(getattr(args, "pipeline_schedule", None))  # ZB-V / DualPipeV: a V
+    for c in range(V):
+        v = virtual_stage(state.pipeline_model_parallel_rank, c, P, placement)
+        pre, post = v == 0, v == P * V - 1
         chunks.append(model_provider(pre_process=pre, post_process=post, vp_stage=c))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.bf16 or args.fp16,
@@ -183,8 +187,10 @@ class LossAverager:
     def __call__(self, losses: list[dict[str, Any]]) -> dict[str, float]:
         if self.keys is None:
             names = [sorted(losses[0]) if losses else None]
-            if dist.is_initialized():
-                dist.broadcast_object_list(names, src=dist.get_world_size() - 1)
+            if dist.is_initialized():  # from any loss rank: in a V (ZB-V, DualPipeV) that is pipeline rank 0
+                gathered: list = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, names[0])
+                names = [next((n for n in gathered if n is not None), None)]
             self.keys = names[0] or []
         dev = default_device()
         if losses:
@@ -228,7 +234,7 @@ def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list
         losses = forward_backward(
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, schedule=schedule,
+            micro_batch_size=args.micro_batch_size, schedule=schedule or getattr(args, "pipeline_schedule", None),
             grad_scale_func=optimizer.scale_loss if (args.fp16 or args.bf16) else None,
             finalize_model_grads_func=finalize_model_grads, pipeline_dtype=params_dtype(args),
             deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
@@ -255,6 +261,7 @@ def evaluate(forward_step_func: Callable, data_iterator: Sequence, model: list,
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=True, pipeline_dtype=params_dtype(args),
+                schedule=getattr(args, "pipeline_schedule", None),  # the chunks' placement
             )
             for k, v in average_losses(losses).items():
                 totals[k] = totals.get(k, 0.0) + v / args.eval_iters

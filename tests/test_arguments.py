@@ -106,7 +106,21 @@ BAD = [
     (["--tensor-model-parallel-size", "3"], 4, r"world size \(4\) is not divisible"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"], 1, r"--global-batch-size \(10\) is not divisible"),
     (["--bf16", "--fp16"], 1, r"--bf16 and --fp16 are exclusive"),
+    # --pipeline-schedule (ours: Megatron has no zero-bubble schedule and no such flag)
+    (["--pipeline-schedule", "zb-h1"], 1, r"--pipeline-schedule zb-h1 does not fit --pipeline-model-parallel-size 1"),
+    (["--pipeline-schedule", "zb-v", "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
+      "4"], 2, r"two chunks per rank in a V: --virtual-pipeline-model-parallel-size must be 2"),
+    (["--pipeline-schedule", "zb-h2", "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
+      "2"], 2, r"zb-h2 runs one chunk per rank"),
+    (["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "2"], 2,
+     r"dualpipev needs at least 2 x --pipeline-model-parallel-size = 4 microbatches per step, got 1"),
 ]
+
+
+def test_pipeline_schedule_flag_sets_the_v():
+    args = validate_args(parse_args(["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "2",
+                                     "--global-batch-size", "16"]), 2)
+    assert args.pipeline_schedule == "dualpipev" and args.virtual_pipeline_model_parallel_size == 2
 
 
 @pytest.mark.parametrize("argv,world,message", BAD, ids=[" ".join(a) for a, _, _ in BAD])

@@ -33,14 +33,25 @@ LAYOUTS = [
 ]
 
 
+# Zero-bubble schedules (tests/test_pipeline.py sweeps them against more layouts without DDP):
+# TP+SP, DP overlap, ZeRO-1, tied embeddings (gpt2; on one rank in the V), recompute.
+ZB_LAYOUTS = [
+    ("gpt2", 2, 2, 1, True, ["--pipeline-schedule", "zb-h1", "--overlap-grad-reduce", "--use-distributed-optimizer"]),
+    ("gpt2", 1, 2, 2, False, ["--pipeline-schedule", "zb-v", "--overlap-grad-reduce", "--recompute-granularity", "full"]),
+    ("llama", 2, 2, 2, True, ["--pipeline-schedule", "dualpipev", "--use-distributed-optimizer"]),
+    ("llama", 1, 4, 1, False, ["--pipeline-schedule", "zb-h2", "--recompute-granularity", "full",
+                               "--overlap-grad-reduce", "--pipeline-model-parallel-layout", "Ettt|tt|tt|tL"]),
+]
+
+
 def _reference(family):
     result = train(layout_args(family))
     return result["losses"], result["grad_norms"], full_weights(result)
 
 
-def _sweep(rank, world_size, refs):
+def _sweep(rank, world_size, refs, layouts=LAYOUTS):
     done = []
-    for family, tp, pp, vp, sp, extra in LAYOUTS:
+    for family, tp, pp, vp, sp, extra in layouts:
         args = layout_args(family, tp, pp, vp, sp, extra, world=world_size)
         ps.initialize_model_parallel(tp, pp, args.virtual_pipeline_model_parallel_size)
         where = f"[{family} TP={tp} PP={pp} V={vp} SP={sp} {' '.join(extra)}]"
@@ -66,6 +77,12 @@ def test_gpt_layouts_train_like_a_single_process():
     refs = {family: _reference(family) for family in FAMILIES}
     results = run_distributed(_sweep, 8, args=(refs,), timeout=600)
     assert all(len(r) == len(LAYOUTS) for r in results)
+
+
+def test_zero_bubble_schedules_train_like_a_single_process():
+    refs = {family: _reference(family) for family in FAMILIES}
+    results = run_distributed(_sweep, 8, args=(refs, ZB_LAYOUTS), timeout=600)
+    assert all(len(r) == len(ZB_LAYOUTS) for r in results)
 
 
 # ---------------------------------------------------------------- checkpoints

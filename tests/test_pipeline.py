@@ -15,6 +15,7 @@ from torch import nn
 from parallel3d import parallel_state as ps
 from parallel3d import tensor_parallel as tp
 from parallel3d.pipeline import ScheduleError, build_schedule, get_forward_backward_func
+from parallel3d.pipeline.schedules import V_SHAPED, virtual_stage
 from parallel3d.pipeline.forward_backward import forward_backward
 from parallel3d.testing import run_distributed
 
@@ -96,11 +97,11 @@ def reference(batches):
     return losses, grads
 
 
-def build_chunks(pp_rank, P, V):
+def build_chunks(pp_rank, P, V, placement="loop"):
     per = NUM_LAYERS // (P * V)
     chunks = []
     for c in range(V):
-        v = c * P + pp_rank
+        v = virtual_stage(pp_rank, c, P, placement)
         chunks.append(Chunk(range(v * per, (v + 1) * per), v == 0, v == P * V - 1))
     return chunks
 
@@ -108,7 +109,8 @@ def build_chunks(pp_rank, P, V):
 def check_layout(P, V, M, schedule, batches, ref):
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    chunks = build_chunks(pp_rank, P, V)
+    placement = "v" if schedule in V_SHAPED else "loop"
+    chunks = build_chunks(pp_rank, P, V, placement)
     ref_losses, ref_grads = ref
     losses = forward_backward(
         forward_step_func=forward_step, data_iterator=[iter(batches) for _ in chunks], model=chunks,
@@ -116,7 +118,7 @@ def check_layout(P, V, M, schedule, batches, ref):
         deallocate_pipeline_outputs=True,  # a Block's output is a residual add: nothing saves it
     )
     where = f"P={P} V={V} M={M} {schedule} pp_rank={pp_rank}"
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
+    if virtual_stage(pp_rank, V - 1, P, placement) == P * V - 1:  # this rank computes the loss
         assert len(losses) == M, where
         for got, want in zip(losses, ref_losses):
             assert_close(got["loss"], want, f"{where}: loss")
@@ -135,8 +137,8 @@ def schedules_for(P, V, M):
     if P == 1:
         return ["no-pipelining"] if V == 1 else []
     if V == 1:
-        return ["gpipe", "1f1b"]
-    return ["interleaved-1f1b"] if M >= P else []
+        return ["gpipe", "1f1b", "zb-h1", "zb-h2"]
+    return (["interleaved-1f1b"] if M >= P else []) + ["zb-v"] + (["dualpipev"] if M >= 2 * P else [])
 
 
 def _sweep(rank, world_size):
@@ -162,8 +164,9 @@ def _sweep(rank, world_size):
 
 def test_every_schedule_matches_single_process():
     counts = run_distributed(_sweep, 4, timeout=300)
-    # P=1: 5 M values; P=2: 2 schedules x 5 + interleaved for M>=2 (4); P=4: 10 + interleaved M in {4, 8}
-    assert counts == [5 + 14 + 12] * 4
+    # P=1: 5 M values; P=2: 4 schedules x 5 + interleaved for M>=2 (4) + zb-v x 5 + dualpipev M in {4, 8};
+    # P=4: 20 + interleaved M in {4, 8} + zb-v x 5 + dualpipev M=8
+    assert counts == [5 + 31 + 28] * 4
 
 
 def _mixed_tp_dp(rank, world_size):
@@ -222,18 +225,20 @@ def _variable_and_tuple(rank, world_size):
         ref.append(loss.item() * M)
     ref_grads = {(i, n): p.grad for i, l in zip(full.layer_ids, full.layers) for n, p in l.named_parameters()}
     results = []
-    for P, V in ((4, 1), (2, 2), (4, 2)):
+    for P, V, schedule in ((4, 1, None), (2, 2, None), (4, 2, None), (4, 1, "zb-h1"), (2, 2, "zb-v"),
+                           (2, 2, "dualpipev")):  # zb-h1 runs with its receives hoisted over W
         ps.initialize_model_parallel(pipeline_model_parallel_size=P, virtual_pipeline_model_parallel_size=V
                                      if V > 1 else None)
         try:
             pp_rank = ps.get_pipeline_model_parallel_rank()
-            per = NUM_LAYERS // (P * V)
-            chunks = [TupleChunk(range((c * P + pp_rank) * per, (c * P + pp_rank + 1) * per),
-                                 c * P + pp_rank == 0, c * P + pp_rank == P * V - 1) for c in range(V)]
+            per, placement = NUM_LAYERS // (P * V), "v" if schedule in V_SHAPED else "loop"
+            stages = [virtual_stage(pp_rank, c, P, placement) for c in range(V)]
+            chunks = [TupleChunk(range(v * per, (v + 1) * per), v == 0, v == P * V - 1) for v in stages]
             losses = forward_backward(forward_step_func=_tuple_forward_step,
                                       data_iterator=[iter(make_batches(M, seq_of)) for _ in chunks],
-                                      model=chunks, num_microbatches=M, variable_seq_lengths=True)
-            if ps.is_pipeline_last_stage(ignore_virtual=True):
+                                      model=chunks, num_microbatches=M, variable_seq_lengths=True, schedule=schedule)
+            holds_loss = stages[-1] == P * V - 1
+            if holds_loss:
                 assert_close([d["loss"].item() for d in losses], ref, f"P={P} V={V} losses")
             for chunk in chunks:
                 for i, layer in zip(chunk.layer_ids, chunk.layers):
@@ -246,18 +251,26 @@ def _variable_and_tuple(rank, world_size):
                 evals = forward_backward(forward_step_func=_tuple_forward_step,
                                          data_iterator=[iter(make_batches(M, seq_of)) for _ in chunks],
                                          model=chunks, num_microbatches=m, variable_seq_lengths=True,
-                                         forward_only=True)
-                if ps.is_pipeline_last_stage(ignore_virtual=True):
+                                         forward_only=True, schedule=schedule)
+                if holds_loss:
                     assert_close([d["loss"].item() for d in evals], ref[:m], f"forward-only P={P} V={V} M={m}")
             assert all(p.grad is None for c in chunks for p in c.parameters()), "forward-only made gradients"
             results.append((P, V))
         finally:
             ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:  # an order that cannot negotiate shapes says so before any transfer
+        with pytest.raises(ValueError, match="cannot negotiate variable sequence lengths"):
+            forward_backward(forward_step_func=_tuple_forward_step, data_iterator=iter([]), model=[TupleChunk(
+                range(0), True, False)], num_microbatches=4, variable_seq_lengths=True, schedule="zb-h2")
+    finally:
+        ps.destroy_model_parallel()
     return results
 
 
 def test_variable_seq_lengths_tuples_and_forward_only():
-    assert run_distributed(_variable_and_tuple, 4, timeout=120) == [[(4, 1), (2, 2), (4, 2)]] * 4
+    want = [(4, 1), (2, 2), (4, 2), (4, 1), (2, 2), (2, 2)]  # the last three: zb-h1, zb-v, dualpipev
+    assert run_distributed(_variable_and_tuple, 4, timeout=120) == [want] * 4
 
 
 class _SavedCounter:

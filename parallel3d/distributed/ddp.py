@@ -144,6 +144,9 @@ class DistributedDataParallel(nn.Module):
         for p in params:
             p.grad_added_to_main_grad = False
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            # A zero-bubble W step calls this once a weight's deferred GEMMs have all run
+            # (parallel3d.tensor_parallel.wgrad_store): that, not its B, makes the weight ready.
+            p.deferred_grad_ready = self._on_grad_ready
 
     # ------------------------------------------------------------------ hooks and communication
     @torch.no_grad()
@@ -160,6 +163,8 @@ class DistributedDataParallel(nn.Module):
         if param.grad is not None and (not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False)):
             param.main_grad.add_(param.grad)
         param.grad = None
+        if getattr(param, "wgrad_pending", 0):
+            return  # banked; ready when the W step has added the deferred rest
         # Judged per backward: a fused wgrad kernel sets it again if it wrote into main_grad.
         param.grad_added_to_main_grad = False
         bucket.params_seen.add(param)

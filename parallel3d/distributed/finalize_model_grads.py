@@ -63,9 +63,29 @@ def _embedding_chunk(chunks: Sequence[DistributedDataParallel], state: ps.Parall
     return None
 
 
+def _sum_local_word_embedding_grads(chunks: Sequence[DistributedDataParallel]) -> bool:
+    """A V-shaped schedule puts the first and the last stage on one rank, in two chunks: sum the
+    embedding's and the output layer's gradients right here.  True if this rank did (it then
+    needs no embedding group)."""
+    ends = [next((c.module for c in chunks if getattr(c.module, attr, False)), None)
+            for attr in ("pre_process", "post_process")]
+    first, last = ends
+    if first is None or last is None or first is last or not getattr(first, "share_embeddings_and_output_weights", False):
+        return False
+    a, b = _main_grad(first.shared_embedding_or_output_weight()), _main_grad(last.shared_embedding_or_output_weight())
+    a.add_(b)
+    b.copy_(a)
+    return True
+
+
 def _allreduce_word_embedding_grads(chunks: Sequence[DistributedDataParallel], state: ps.ParallelState) -> None:
     if state.pipeline_model_parallel_size == 1 or not state.is_rank_in_embedding_group():
         return
+    if _sum_local_word_embedding_grads(chunks):
+        return
+    if all(hasattr(c.module, "pre_process") for c in chunks) and not any(
+            c.module.pre_process or c.module.post_process for c in chunks):
+        return  # the last rank of a V holds neither end
     group = state.embedding_group
     if group is None or dist.get_world_size(group) == 1:
         return

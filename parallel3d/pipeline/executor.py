@@ -33,7 +33,9 @@ from parallel3d import parallel_state
 from parallel3d.distributed_timeout import waiting_for
 
 from .p2p import TensorSpec, Transfer, exchange
-from .schedules import Action, Schedule, virtual_stage
+from parallel3d.tensor_parallel import wgrad_store
+
+from .schedules import Action, Schedule
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -154,21 +156,37 @@ class ScheduleExecutor:
         self.num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         self.stats = ExecutorStats()
         self.time_actions = time_actions
-        # the microbatch of each chunk's last backward: only that one reduces gradients over DP
+        # the microbatch of each chunk's last backward (and last W): only those reduce gradients over DP
         self.last_backward = {a.chunk: a.microbatch for a in schedule.actions[pipeline.stage] if a.kind == "B"}
+        self.last_weight = {a.chunk: a.microbatch for a in schedule.actions[pipeline.stage] if a.kind == "W"}
+        # Zero-bubble schedules: B defers the weight-gradient GEMMs here, W runs them.
+        self.split_backward = schedule.splits_backward and not forward_only
+        self.deferred: dict[tuple[int, int], wgrad_store.Deferred] = {}
 
     # ------------------------------------------------------------------ helpers
     def _is_first(self, chunk: int) -> bool:
-        return virtual_stage(self.pipeline.stage, chunk, self.schedule.num_stages) == 0
+        return self.schedule.virtual_stage(self.pipeline.stage, chunk) == 0
 
     def _is_last(self, chunk: int) -> bool:
-        return virtual_stage(self.pipeline.stage, chunk, self.schedule.num_stages) == self.num_virtual - 1
+        return self.schedule.virtual_stage(self.pipeline.stage, chunk) == self.num_virtual - 1
+
+    def _local_neighbour(self, chunk: int, step: int) -> Optional[int]:
+        """The local chunk holding the virtual stage ``step`` away from ``chunk``'s, if on this rank."""
+        v = self.schedule.virtual_stage(self.pipeline.stage, chunk) + step
+        if not 0 <= v < self.num_virtual:
+            return None
+        rank, other = self.schedule.stage_location(v)
+        return other if rank == self.pipeline.stage else None
 
     # ------------------------------------------------------------------ compute
     def _forward(self, mb: int, chunk: int) -> None:
         key = (mb, chunk)
         model = self.model[chunk]
         inputs = self.inputs.get(key)
+        prev = self._local_neighbour(chunk, -1)
+        if prev is not None:  # the V's turn: the previous stage ran on this rank, no message
+            inputs = self.inputs[key] = tuple(t.detach().requires_grad_(t.is_floating_point())
+                                             for t in self.outputs[(mb, prev)])
         if not self._is_first(chunk):
             if inputs is None:
                 raise RuntimeError(f"F{mb}.{chunk} on stage {self.pipeline.stage}: no input was received")
@@ -232,15 +250,27 @@ class ScheduleExecutor:
             grads: Tensors = (torch.ones_like(loss),)
             outputs = (loss,)
         else:
-            grads = self.output_grads.pop(key)
-        model = self.model[chunk]
-        # Gradients are only reduced across data-parallel replicas with a chunk's last backward.
-        sync = getattr(model, "no_sync", None)
-        ctx = contextlib.nullcontext() if sync is None or mb == self.last_backward[chunk] else sync()
-        with ctx:
+            nxt = self._local_neighbour(chunk, +1)
+            grads = self.output_grads.pop(key) if nxt is None else self.input_grads.pop((mb, nxt))
+        defer = (wgrad_store.deferring(self.deferred.setdefault(key, [])) if self.split_backward
+                 else contextlib.nullcontext())
+        with self._sync_if(chunk, mb == self.last_backward[chunk]), defer:
             custom_backward(outputs, grads)
         if not self._is_first(chunk):
             self.input_grads[key] = tuple(x.grad for x in inputs)
+        if not self.split_backward:
+            self.stats.inflight -= 1
+
+    def _sync_if(self, chunk: int, last: bool):
+        """Gradients are only reduced across data-parallel replicas with a chunk's last B (the
+        weights B finishes) and its last W (the weights whose GEMMs W ran)."""
+        sync = getattr(self.model[chunk], "no_sync", None)
+        return contextlib.nullcontext() if sync is None or last else sync()
+
+    def _weight(self, mb: int, chunk: int) -> None:
+        """W: the weight-gradient GEMMs that B{mb}.{chunk} deferred; its activations go with them."""
+        with self._sync_if(chunk, mb == self.last_weight[chunk]):
+            wgrad_store.run_deferred(self.deferred.pop((mb, chunk), []))
         self.stats.inflight -= 1
 
     # ------------------------------------------------------------------ communication
@@ -318,6 +348,9 @@ class ScheduleExecutor:
             start = self._mark() if self.time_actions else None
             if step.kind == "F":
                 self._forward(step.microbatch, step.chunk)
+            elif step.kind == "W":
+                if not self.forward_only:
+                    self._weight(step.microbatch, step.chunk)
             elif not self.forward_only:
                 self._backward(step.microbatch, step.chunk)
             if self.time_actions:

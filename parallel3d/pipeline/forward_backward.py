@@ -20,8 +20,9 @@ from parallel3d import parallel_state
 
 from .executor import PipelineGroup, ScheduleExecutor
 from .p2p import TensorSpec
-from .schedules import Schedule, build_schedule, forward_only_schedule
+from .schedules import V_SHAPED, Schedule, ScheduleError, build_schedule, forward_only_schedule
 from .simulate import validate
+from .zero_bubble import hoist_receives_over_w
 
 
 # Megatron's forward_backward_func takes these too; they change nothing here.
@@ -69,12 +70,30 @@ def default_schedule_name(pipeline_size: int, virtual_size: Optional[int]) -> st
 
 
 @functools.lru_cache(maxsize=64)
-def _checked_schedule(name: str, stages: int, microbatches: int, chunks: int, forward_only: bool) -> Schedule:
-    """Built and validated once per shape; Schedule is frozen, so sharing the cached object is safe."""
+def _checked_schedule(name: str, stages: int, microbatches: int, chunks: int, forward_only: bool,
+                      negotiate_shapes: bool = False) -> Schedule:
+    """Built and validated once per shape; Schedule is frozen, so sharing the cached object is safe.
+
+    ``negotiate_shapes`` (variable_seq_lengths): also deadlock-free when each batch exchanges
+    shape headers first; a zero-bubble order that is not gets its receives hoisted over W."""
     if forward_only:  # any microbatch count works without backwards
-        return forward_only_schedule(Schedule(name, stages, microbatches, chunks, ()))
+        placement = "v" if name in V_SHAPED else "loop"  # the model chunks were built for it
+        return forward_only_schedule(Schedule(name, stages, microbatches, chunks, (), placement))
     schedule = build_schedule(name, stages, microbatches, chunks)
     validate(schedule)
+    if negotiate_shapes:
+        try:
+            validate(schedule, negotiate_shapes=True)
+        except ScheduleError:
+            if not schedule.splits_backward:
+                raise
+            schedule = hoist_receives_over_w(schedule)
+            try:
+                validate(schedule, negotiate_shapes=True)
+            except ScheduleError as e:
+                raise ValueError(f"pipeline schedule {name!r} with {stages} stages and {microbatches} microbatches "
+                                 f"cannot negotiate variable sequence lengths without deadlock; use fixed "
+                                 f"lengths, another microbatch count or another schedule ({e})") from e
     return schedule
 
 
@@ -125,7 +144,8 @@ def forward_backward(
         raise ValueError(f"virtual_pipeline_model_parallel_size is {vp} but the model has {len(chunks)} "
                          f"chunk(s) on this rank: build one chunk per virtual stage")
     name = schedule or default_schedule_name(stages, len(chunks) if len(chunks) > 1 else None)
-    sched = _checked_schedule(name, stages, num_microbatches, len(chunks), forward_only)
+    sched = _checked_schedule(name, stages, num_microbatches, len(chunks), forward_only,
+                              config.variable_seq_lengths and stages > 1)
 
     recv_spec = None
     if stages > 1 and not config.variable_seq_lengths:

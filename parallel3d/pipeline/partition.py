@@ -19,11 +19,13 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
+from .schedules import stage_location, virtual_stage
 
-def _to_result(counts: list[int], pipeline_size: int, virtual_size: int) -> list[list[range]]:
+
+def _to_result(counts: list[int], pipeline_size: int, virtual_size: int, placement: str) -> list[list[range]]:
     starts = [sum(counts[:v]) for v in range(len(counts))]
-    return [[range(starts[c * pipeline_size + r], starts[c * pipeline_size + r] + counts[c * pipeline_size + r])
-             for c in range(virtual_size)] for r in range(pipeline_size)]
+    stage = [[virtual_stage(r, c, pipeline_size, placement) for c in range(virtual_size)] for r in range(pipeline_size)]
+    return [[range(starts[v], starts[v] + counts[v]) for v in row] for row in stage]
 
 
 def _even_counts(num_layers: int, num_stages: int) -> list[int]:
@@ -83,8 +85,12 @@ def partition_layers(num_layers: int, pipeline_size: int, virtual_size: int = 1,
                      layers_per_stage: list[int] | None = None,
                      layer_costs: list[float] | None = None,
                      embedding_cost: float = 0.0, head_cost: float = 0.0,
-                     allow_empty_stages: bool = False) -> list[list[range]]:
-    """Assign layers to pipeline ranks and model chunks; result[rank][chunk] = range of layers."""
+                     allow_empty_stages: bool = False, placement: str = "loop") -> list[list[range]]:
+    """Assign layers to pipeline ranks and model chunks; result[rank][chunk] = range of layers.
+
+    ``placement`` "v" (ZB-V, DualPipeV) puts virtual stage 2P-1-rank in chunk 1 of ``rank``;
+    counts stay indexed by virtual stage v.
+    """
     for arg, value in (("num_layers", num_layers), ("pipeline_size", pipeline_size),
                        ("virtual_size", virtual_size)):
         if not isinstance(value, int) or isinstance(value, bool):
@@ -127,17 +133,19 @@ def partition_layers(num_layers: int, pipeline_size: int, virtual_size: int = 1,
         counts = _balanced_counts(layer_costs, S, float(embedding_cost), float(head_cost), allow_empty_stages)
     else:
         counts = _even_counts(L, S)
-    return _to_result(counts, P, V)
+    return _to_result(counts, P, V, placement)
 
 
 def virtual_stage_costs(partition: list[list[range]], layer_costs: Sequence[float],
-                        embedding_cost: float = 0.0, head_cost: float = 0.0) -> list[list[float]]:
+                        embedding_cost: float = 0.0, head_cost: float = 0.0,
+                        placement: str = "loop") -> list[list[float]]:
     """Cost of each [rank][chunk] of a partition (layer costs + embedding on v=0 + head on the last v).
 
     Handy for simulate(stage_costs=...) after scaling into (forward, backward) times.
     """
     P, V = len(partition), len(partition[0])
     out = [[sum(layer_costs[i] for i in partition[r][c]) for c in range(V)] for r in range(P)]
-    out[0][0] += embedding_cost
-    out[P - 1][V - 1] += head_cost
+    first, last = stage_location(0, P, placement), stage_location(P * V - 1, P, placement)
+    out[first[0]][first[1]] += embedding_cost
+    out[last[0]][last[1]] += head_cost
     return out

@@ -13,6 +13,11 @@ on ``rank`` as its local model chunk ``chunk``.  A microbatch's forward runs
 through v = 0 .. V*P-1 (stage v's output goes to rank ``(rank + 1) % P``; on
 the last rank it wraps to rank 0, chunk + 1); its backward runs in reverse.
 Virtual stage 0 reads data, virtual stage V*P-1 computes the loss.
+
+The zero-bubble schedules (parallel3d.pipeline.zero_bubble) split the backward into B (the
+input gradient, on the critical path) and W (the weight gradient, free to fill bubbles), and
+the V-shaped ones place a rank's two chunks as ``placement="v"``: chunk 0 is virtual stage
+``rank``, chunk 1 is virtual stage ``2P-1-rank`` (so rank 0 holds both the first and the last).
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ class ActionKind(str, Enum):
     """What an action does. A str enum, so ``action.kind == "F"`` reads as the printed schedule."""
 
     F = "F"            # forward of (microbatch, chunk)
-    B = "B"            # backward of it
+    B = "B"            # backward of it (the input gradient only, where the schedule has W actions)
+    W = "W"            # weight gradient of it: runs the GEMMs that B deferred
     SEND_F = "SEND_F"  # send its output to the next virtual stage
     RECV_F = "RECV_F"  # receive its input from the previous one
     SEND_B = "SEND_B"  # send its input gradient back
@@ -36,7 +42,7 @@ class ActionKind(str, Enum):
 
     @property
     def is_comm(self) -> bool:
-        return self not in (ActionKind.F, ActionKind.B)
+        return self not in (ActionKind.F, ActionKind.B, ActionKind.W)
 
 
 COMPUTE_KINDS = tuple(k.value for k in ActionKind if not k.is_comm)
@@ -47,9 +53,25 @@ class ScheduleError(ValueError):
     """A schedule is incomplete, mismatched or would deadlock."""
 
 
-def virtual_stage(rank: int, chunk: int, num_stages: int) -> int:
-    """Megatron's virtual stage of local ``chunk`` on pipeline ``rank``: chunk * P + rank."""
+PLACEMENTS = ("loop", "v")
+
+
+def virtual_stage(rank: int, chunk: int, num_stages: int, placement: str = "loop") -> int:
+    """The virtual stage of local ``chunk`` on pipeline ``rank``.
+
+    "loop" (Megatron's interleaving): chunk * P + rank.  "v" (ZB-V, DualPipeV): chunk 0 is stage
+    rank, chunk 1 is stage 2P-1-rank, so the model goes down the ranks and back up.
+    """
+    if placement == "v":
+        return rank if chunk == 0 else 2 * num_stages - 1 - rank
     return chunk * num_stages + rank
+
+
+def stage_location(v: int, num_stages: int, placement: str = "loop") -> tuple[int, int]:
+    """(rank, local chunk) that holds virtual stage v (the inverse of virtual_stage)."""
+    if placement == "v":
+        return (v, 0) if v < num_stages else (2 * num_stages - 1 - v, 1)
+    return v % num_stages, v // num_stages
 
 
 @dataclass(frozen=True)
@@ -86,12 +108,23 @@ class Schedule:
     num_microbatches: int
     num_model_chunks: int
     actions: tuple[tuple[Action, ...], ...]  # actions[rank] = ordered actions of that pipeline rank
+    placement: str = "loop"  # which virtual stage each (rank, chunk) is: see virtual_stage()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(rank_actions) for rank_actions in self.actions))
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
     def virtual_stage(self, rank: int, chunk: int) -> int:
-        return virtual_stage(rank, chunk, self.num_stages)
+        return virtual_stage(rank, chunk, self.num_stages, self.placement)
+
+    def stage_location(self, v: int) -> tuple[int, int]:
+        return stage_location(v, self.num_stages, self.placement)
+
+    @property
+    def splits_backward(self) -> bool:
+        """True when backward is split into B (input gradient) and W (weight gradient) actions."""
+        return any(a.kind == ActionKind.W for rank_actions in self.actions for a in rank_actions)
 
     def steps(self, rank: int) -> list[Action | list[Action]]:
         """Rank's actions with each maximal run of comm actions grouped into one list (one batch)."""
@@ -143,6 +176,9 @@ def _check_args(name: str, num_stages: int, num_microbatches: int, num_model_chu
     if name == "no-pipelining" and P != 1:
         raise ValueError(f"'no-pipelining' runs the whole model on one rank, so num_stages must be 1, "
                          f"got {P}; use 'gpipe', '1f1b' or 'interleaved-1f1b' for {P} stages")
+    if name in ZERO_BUBBLE:
+        _check_zero_bubble_args(name, P, M, V, group_size)
+        return
     if name != "interleaved-1f1b" and V != 1:
         raise ValueError(f"{name!r} uses one model chunk per rank, got num_model_chunks={V}; "
                          f"use 'interleaved-1f1b' for {V} chunks per rank, or num_model_chunks=1")
@@ -165,6 +201,34 @@ def _check_args(name: str, num_stages: int, num_microbatches: int, num_model_chu
         if not P <= G <= M:
             raise ValueError(f"microbatch_group_size_per_vp_stage must be in [num_stages, num_microbatches] "
                              f"= [{P}, {M}], got {G}")
+
+
+# Schedules with W actions; the V-shaped ones hold two chunks per rank in placement "v".
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zb-v", "dualpipev", "auto")
+V_SHAPED = ("zb-v", "dualpipev")
+
+
+def default_num_model_chunks(name: str) -> int:
+    return 2 if name in V_SHAPED else 1
+
+
+def placement_of(name: Optional[str]) -> str:
+    """Where a schedule puts each rank's chunks: what the model must be built for."""
+    return "v" if name in V_SHAPED else "loop"
+
+
+def _check_zero_bubble_args(name: str, P: int, M: int, V: int, group_size: int | None) -> None:
+    if group_size is not None:
+        raise ValueError(f"microbatch_group_size_per_vp_stage only applies to 'interleaved-1f1b', not {name!r}")
+    if P < 2:
+        raise ValueError(f"{name!r} needs num_stages >= 2, got {P}; with one stage use 'no-pipelining'")
+    want = (2,) if name in V_SHAPED else (1, 2) if name == "auto" else (1,)
+    if V not in want:
+        raise ValueError(f"{name!r} runs {' or '.join(map(str, want))} model chunk(s) per rank, got "
+                         f"num_model_chunks={V}" + ("; the V needs exactly two" if name in V_SHAPED else ""))
+    if name == "dualpipev" and M < 2 * P:
+        raise ValueError(f"'dualpipev' needs num_microbatches >= 2 * num_stages = {2 * P} (its main loop "
+                         f"pairs microbatches from both arms of the V), got {M}; use 'zb-v' for fewer")
 
 
 # --- one chunk per rank: compute order, then comm next to the compute ---------------------------
@@ -194,29 +258,28 @@ def _1f1b_order(P: int, M: int) -> Order:
     return orders
 
 
-def _add_comm(num_stages: int, num_model_chunks: int, orders: Order) -> list[list[Action]]:
+def _add_comm(num_stages: int, num_model_chunks: int, orders: Order, placement: str = "loop") -> list[list[Action]]:
     """Put each RECV right before the compute that needs it and each SEND right after the one
     that produced it.  Consecutive comm actions then form one batch, so a 1F1B steady state
-    gets Megatron's fused send_forward_recv_backward / send_backward_recv_forward."""
+    gets Megatron's fused send_forward_recv_backward / send_backward_recv_forward.
+    W actions talk to nobody; neighbours on the same rank (the V's turn) need no message."""
     P, last = num_stages, num_stages * num_model_chunks - 1
     actions = []
     for rank, order in enumerate(orders):
-        nxt, prev = (rank + 1) % P, (rank - 1) % P
         out = []
         for kind, mb, chunk in order:
-            v = virtual_stage(rank, chunk, P)
-            if kind == "F":
-                if v > 0:
-                    out.append(Action(ActionKind.RECV_F, mb, chunk, prev))
-                out.append(Action(ActionKind.F, mb, chunk))
-                if v < last:
-                    out.append(Action(ActionKind.SEND_F, mb, chunk, nxt))
-            else:
-                if v < last:
-                    out.append(Action(ActionKind.RECV_B, mb, chunk, nxt))
-                out.append(Action(ActionKind.B, mb, chunk))
-                if v > 0:
-                    out.append(Action(ActionKind.SEND_B, mb, chunk, prev))
+            if kind == "W":
+                out.append(Action(ActionKind.W, mb, chunk))
+                continue
+            v = virtual_stage(rank, chunk, P, placement)
+            src, dst = (v - 1, v + 1) if kind == "F" else (v + 1, v - 1)
+            src_rank = stage_location(src, P, placement)[0] if 0 <= src <= last else rank
+            dst_rank = stage_location(dst, P, placement)[0] if 0 <= dst <= last else rank
+            if src_rank != rank:
+                out.append(Action(ActionKind.RECV_F if kind == "F" else ActionKind.RECV_B, mb, chunk, src_rank))
+            out.append(Action(ActionKind(kind), mb, chunk))
+            if dst_rank != rank:
+                out.append(Action(ActionKind.SEND_F if kind == "F" else ActionKind.SEND_B, mb, chunk, dst_rank))
         actions.append(out)
     return actions
 
@@ -231,7 +294,8 @@ def forward_only_schedule(schedule: Schedule) -> Schedule:
     """
     P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_model_chunks
     orders = [[("F", mb, chunk) for mb in range(M) for chunk in range(V)] for _ in range(P)]
-    return Schedule(schedule.name + "/forward-only", P, M, V, _add_comm(P, V, orders))
+    return Schedule(schedule.name + "/forward-only", P, M, V, _add_comm(P, V, orders, schedule.placement),
+                    schedule.placement)
 
 
 # --- interleaved 1F1B ---------------------------------------------------------------------------
@@ -366,6 +430,25 @@ SCHEDULES: dict[str, Builder] = {
     "1f1b": _one_chunk(_1f1b_order),
     "interleaved-1f1b": _interleaved_actions,
 }
+
+
+def _register_zero_bubble() -> None:
+    """The zero-bubble builders live in zero_bubble.py (which imports this module's types)."""
+    from . import zero_bubble as zb
+
+    def one(order: Callable[[int, int], list], placement: str, V: int) -> Builder:
+        # One chunk: comm next to the compute, as 1F1B (times every order exactly as built).
+        # The V: two flows share each pair of ranks, so their messages are ordered by level.
+        if V == 1:
+            return lambda P, M, _V, G: _add_comm(P, V, order(P, M), placement)
+        return lambda P, M, _V, G: zb.with_comm(order(P, M), P, V, placement)
+
+    SCHEDULES.update({"zb-h1": one(zb.zb_h1_orders, "loop", 1), "zb-h2": one(zb.zb_h2_orders, "loop", 1),
+                      "zb-v": one(zb.zb_v_orders, "v", 2), "dualpipev": one(zb.dualpipev_orders, "v", 2),
+                      "auto": lambda P, M, V, G: []})  # built by build_schedule from measured times
+
+
+_register_zero_bubble()
 SCHEDULE_NAMES = tuple(SCHEDULES)
 
 
@@ -375,16 +458,26 @@ def _known(name: str) -> str:
     return name
 
 
-def build_schedule(name: str, num_stages: int, num_microbatches: int, num_model_chunks: int = 1,
+def build_schedule(name: str, num_stages: int, num_microbatches: int, num_model_chunks: int | None = None,
                    **kw) -> Schedule:
-    """Build a schedule by name: 'no-pipelining', 'gpipe', '1f1b' or 'interleaved-1f1b'.
+    """Build a schedule by name: 'no-pipelining', 'gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1',
+    'zb-h2', 'zb-v', 'dualpipev' or 'auto'.
 
-    Keyword options: microbatch_group_size_per_vp_stage (interleaved only; default num_stages).
+    num_model_chunks defaults to 2 for the V-shaped schedules ('zb-v', 'dualpipev'), else 1.
+    Keyword options: microbatch_group_size_per_vp_stage (interleaved only; default num_stages);
+    for 'auto' those of :func:`parallel3d.pipeline.auto_schedule.auto_schedule` (measured times,
+    memory limit).
     """
+    V = default_num_model_chunks(name) if num_model_chunks is None else num_model_chunks
+    if name == "auto":
+        from .auto_schedule import auto_schedule
+
+        _check_args(name, num_stages, num_microbatches, V, kw.pop("microbatch_group_size_per_vp_stage", None))
+        return auto_schedule(num_stages, num_microbatches, V, **kw)
     group_size = kw.pop("microbatch_group_size_per_vp_stage", None)
     if kw:
         raise TypeError(f"build_schedule got unexpected keyword arguments {sorted(kw)}; "
                         f"the only option is microbatch_group_size_per_vp_stage")
-    _check_args(name, num_stages, num_microbatches, num_model_chunks, group_size)
-    actions = SCHEDULES[name](num_stages, num_microbatches, num_model_chunks, group_size)
-    return Schedule(name, num_stages, num_microbatches, num_model_chunks, actions)
+    _check_args(name, num_stages, num_microbatches, V, group_size)
+    actions = SCHEDULES[name](num_stages, num_microbatches, V, group_size)
+    return Schedule(name, num_stages, num_microbatches, V, actions, "v" if name in V_SHAPED else "loop")

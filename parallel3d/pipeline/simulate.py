@@ -13,9 +13,9 @@ Execution model (the one the executor implements):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from parallel3d.pipeline.schedules import Action, Schedule, ScheduleError, virtual_stage
+from parallel3d.pipeline.schedules import Action, Schedule, ScheduleError
 
 Slot = tuple[int, int]  # (rank, index into that rank's action list)
 
@@ -36,7 +36,7 @@ class _Where:
 
 def _stage_location(schedule: Schedule, v: int) -> tuple[int, int]:
     """(rank, local chunk) that holds virtual stage v."""
-    return v % schedule.num_stages, v // schedule.num_stages
+    return schedule.stage_location(v)
 
 
 def _check_shape(schedule: Schedule) -> None:
@@ -58,15 +58,21 @@ def _check_rank_order(schedule: Schedule, rank: int) -> None:
     """Each (microbatch, chunk) forwarded then backwarded exactly once, inputs present, peers right."""
     P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_model_chunks
     last = P * V - 1
-    done: dict[str, set[tuple[int, int]]] = {"F": set(), "B": set()}
+    done: dict[str, set[tuple[int, int]]] = {"F": set(), "B": set(), "W": set()}
     received: dict[str, set[tuple[int, int]]] = {"RECV_F": set(), "RECV_B": set()}
     consumed: dict[str, set[tuple[int, int]]] = {"RECV_F": set(), "RECV_B": set()}
     sent: dict[str, set[tuple[int, int]]] = {"SEND_F": set(), "SEND_B": set()}
 
     for i, a in enumerate(schedule.actions[rank]):
-        key, v = (a.microbatch, a.chunk), virtual_stage(rank, a.chunk, schedule.num_stages)
+        key, v = (a.microbatch, a.chunk), schedule.virtual_stage(rank, a.chunk)
         here = _Where(rank, i, a)  # formatted only if an error is raised
-        if not a.is_comm:
+        if a.kind == "W":
+            if key in done["W"]:
+                raise ScheduleError(f"{here}: weight gradient of microbatch {a.microbatch} chunk {a.chunk} runs twice")
+            if key not in done["B"]:
+                raise ScheduleError(f"{here}: weight gradient before its backward B{a.microbatch}.{a.chunk}")
+            done["W"].add(key)
+        elif not a.is_comm:
             forward = a.kind == "F"
             if key in done[a.kind]:
                 raise ScheduleError(f"{here}: {'forward' if forward else 'backward'} of microbatch {a.microbatch} "
@@ -113,7 +119,8 @@ def _check_rank_order(schedule: Schedule, rank: int) -> None:
                     raise ScheduleError(f"{here}: received twice")
                 received[a.kind].add(key)
 
-    for kind in ("F", "B"):
+    # A schedule that splits backward must run every W (else weight gradients go missing).
+    for kind in ("F", "B", "W") if schedule.splits_backward else ("F", "B"):
         missing = sorted({(mb, c) for mb in range(M) for c in range(V)} - done[kind])
         if missing:
             mb, c = missing[0]
@@ -142,7 +149,7 @@ def _match_messages(schedule: Schedule) -> dict[Slot, Slot]:
         s_list, r_list = sends.get((src, dst), []), recvs.get((src, dst), [])
         for k, (si, ri) in enumerate(zip(s_list, r_list)):
             s, r = schedule.actions[src][si], schedule.actions[dst][ri]
-            s_v, r_v = virtual_stage(src, s.chunk, schedule.num_stages), virtual_stage(dst, r.chunk, schedule.num_stages)
+            s_v, r_v = schedule.virtual_stage(src, s.chunk), schedule.virtual_stage(dst, r.chunk)
             step = 1 if s.kind == "SEND_F" else -1
             if s.kind[-1] != r.kind[-1] or s.microbatch != r.microbatch or s_v + step != r_v:
                 raise ScheduleError(
@@ -175,8 +182,12 @@ def _batch_ends(actions: list[Action]) -> list[int]:
 
 
 def _run(schedule: Schedule, partner: dict[Slot, Slot], duration: Callable[[int, Action], float],
-         comm_time: float) -> tuple[list[list[tuple[float, float, Action]]], list[float]]:
+         comm_time: float, sends_block: bool = True,
+         headers: bool = False) -> tuple[list[list[tuple[float, float, Action]]], list[float]]:
     """Execute the schedule under the rendezvous model; raise ScheduleError on deadlock.
+
+    ``headers``: the executor with variable_seq_lengths, where a batch first exchanges the shape
+    headers of its forward-direction transfers (a round of its own) and only then the data.
 
     Returns per-rank compute timelines and each rank's finish time.  The result does not
     depend on the order ranks are visited in: posting never un-happens, so progress is monotone.
@@ -186,6 +197,7 @@ def _run(schedule: Schedule, partner: dict[Slot, Slot], duration: Callable[[int,
     ends = [_batch_ends(a) for a in acts]
     pc, clock = [0] * P, [0.0] * P
     posted: dict[Slot, float] = {}  # comm op -> time its rank reached its batch
+    header_posted: set[Slot] = set()
     timelines: list[list[tuple[float, float, Action]]] = [[] for _ in range(P)]
 
     progress = True
@@ -202,12 +214,19 @@ def _run(schedule: Schedule, partner: dict[Slot, Slot], duration: Callable[[int,
                     progress = True
                     continue
                 batch = range(pc[r], ends[r][pc[r]])
+                negotiated = [i for i in batch if headers and acts[r][i].kind.endswith("_F")]
+                header_posted.update((r, i) for i in negotiated)
+                if any(partner[(r, i)] not in header_posted for i in negotiated):
+                    break  # the header round waits for every peer's header round
                 for i in batch:
                     posted.setdefault((r, i), clock[r])
-                if any(partner[(r, i)] not in posted for i in batch):
+                # Without sends_block (the paper's model: a transfer never holds up its sender),
+                # only receives wait for their peers.
+                waits = [i for i in batch if sends_block or acts[r][i].kind.startswith("RECV")]
+                if any(partner[(r, i)] not in posted for i in waits):
                     break  # blocked until the peers post their side
                 clock[r] = max([clock[r]] + [max(posted[(r, i)], posted[partner[(r, i)]]) + comm_time
-                                             for i in batch])
+                                             for i in waits])
                 pc[r] = batch.stop
                 progress = True
 
@@ -272,11 +291,12 @@ def _check_batches_pair_up(schedule: Schedule, partner: dict[Slot, Slot]) -> Non
         seen.setdefault(key, (other, (rank, i)))
 
 
-def validate(schedule: Schedule) -> None:
-    """Raise ScheduleError unless the schedule is complete, correctly matched and deadlock-free."""
+def validate(schedule: Schedule, negotiate_shapes: bool = False) -> None:
+    """Raise ScheduleError unless the schedule is complete, correctly matched and deadlock-free
+    (with ``negotiate_shapes``: also when each batch first exchanges shape headers)."""
     partner = _check_and_match(schedule)
     _check_batches_pair_up(schedule, partner)
-    _run(schedule, partner, lambda rank, action: 1.0, 0.0)
+    _run(schedule, partner, lambda rank, action: 1.0, 0.0, headers=negotiate_shapes)
 
 
 @dataclass
@@ -285,50 +305,88 @@ class SimResult:
     makespan: float
     busy_time: list[float]  # per rank
     bubble_overhead: float  # total idle / total busy, idle = makespan - busy per rank
-    peak_inflight: list[int]  # per rank: most (microbatch, chunk) forwards awaiting their backward
+    peak_inflight: list[int]  # per rank: most (microbatch, chunk) forwards whose activations are held
+    stage_bubble: list[float] = field(default_factory=list)  # per rank: idle between its first and last action
+    peak_memory: list[float] = field(default_factory=list)  # per rank, in activation_memory units
+
+    @property
+    def bubble(self) -> float:
+        """The zero-bubble paper's bubble: the most idle time of a stage between its first and
+        last action (stages start staggered; the stagger overlaps the previous step's tail)."""
+        return max(self.stage_bubble, default=0.0)
 
 
-StageCosts = Mapping[tuple[int, int], tuple[float, float]] | Sequence[Sequence[tuple[float, float]]]
+StageCosts = Mapping[tuple[int, int], Sequence[float]] | Sequence[Sequence[Sequence[float]]]
+
+
+def _costs(schedule: Schedule, forward_time: float, backward_time: float, weight_time: float,
+           stage_costs: StageCosts | None) -> dict[tuple[int, int], tuple[float, float, float]]:
+    """(forward, backward, weight) time per (rank, chunk); a (f, b) entry has weight_time 0."""
+    P, V = schedule.num_stages, schedule.num_model_chunks
+    raw: dict = {(r, c): (forward_time, backward_time, weight_time) for r in range(P) for c in range(V)}
+    if isinstance(stage_costs, Mapping):
+        raw.update(stage_costs)
+    elif stage_costs is not None:
+        if len(stage_costs) != P or any(len(row) != V for row in stage_costs):
+            raise ValueError(f"stage_costs must be {P} ranks x {V} chunks of (forward, backward[, weight])")
+        raw = {(r, c): stage_costs[r][c] for r in range(P) for c in range(V)}
+    costs = {}
+    for key, entry in raw.items():
+        entry = tuple(entry)
+        if len(entry) not in (2, 3) or min(entry) < 0:
+            raise ValueError(f"stage_costs entries must be (forward, backward[, weight]) times >= 0, got {entry}")
+        costs[key] = entry if len(entry) == 3 else entry + (0.0,)
+    return costs
 
 
 def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0,
-             comm_time: float = 0.0, stage_costs: StageCosts | None = None) -> SimResult:
+             comm_time: float = 0.0, stage_costs: StageCosts | None = None, *, weight_time: float = 0.0,
+             activation_memory: float = 1.0, weight_memory: float = 0.0, sends_block: bool = True) -> SimResult:
     """Time a schedule: costs are per model chunk; comm batches finish when matched + comm_time.
 
-    stage_costs gives (forward, backward) time per (rank, chunk), either as a mapping
-    {(rank, chunk): (f, b)} (missing entries use forward_time/backward_time) or as a nested
-    sequence stage_costs[rank][chunk].  Checks first that the schedule is complete and its messages
+    backward_time is the input gradient (B), weight_time the weight gradient (W): a schedule
+    without W actions runs both in its backward, which then costs backward_time + weight_time.
+    stage_costs gives (forward, backward[, weight]) time per (rank, chunk), either as a mapping
+    {(rank, chunk): (f, b[, w])} (missing entries use the times above) or as a nested sequence
+    stage_costs[rank][chunk].  Memory (the paper's Table 1): a forward holds activation_memory
+    until its B, which keeps weight_memory of it until its W (without W actions: until the B).
+    sends_block=False times the zero-bubble paper's model, where a send never waits for its
+    receiver; the default is the executor's (a comm batch waits until both sides posted it).
+    Checks first that the schedule is complete and its messages
     match (and _run that it cannot deadlock); unlike validate() it does not require the two sides of
     a message to sit in batches that pair up, so a forward-only chain can be timed too.
     """
-    if min(forward_time, backward_time, comm_time) < 0:
-        raise ValueError(f"times must be >= 0, got forward_time={forward_time}, "
-                         f"backward_time={backward_time}, comm_time={comm_time}")
-    P, V = schedule.num_stages, schedule.num_model_chunks
-    costs = {(r, c): (forward_time, backward_time) for r in range(P) for c in range(V)}
-    if isinstance(stage_costs, Mapping):
-        costs.update(stage_costs)
-    elif stage_costs is not None:
-        if len(stage_costs) != P or any(len(row) != V for row in stage_costs):
-            raise ValueError(f"stage_costs must be {P} ranks x {V} chunks of (forward, backward)")
-        costs = {(r, c): tuple(stage_costs[r][c]) for r in range(P) for c in range(V)}
-    if any(len(fb) != 2 or min(fb) < 0 for fb in costs.values()):
-        raise ValueError(f"stage_costs entries must be (forward, backward) pairs of times >= 0, got {costs}")
+    if min(forward_time, backward_time, comm_time, weight_time) < 0:
+        raise ValueError(f"times must be >= 0, got forward_time={forward_time}, backward_time={backward_time}, "
+                         f"weight_time={weight_time}, comm_time={comm_time}")
+    costs = _costs(schedule, forward_time, backward_time, weight_time, stage_costs)
+    split = schedule.splits_backward
+
+    def duration(rank: int, a: Action) -> float:
+        f, b, w = costs[(rank, a.chunk)]
+        return {"F": f, "B": b if split else b + w, "W": w}[a.kind]
 
     partner = _check_and_match(schedule)
-    timelines, _ = _run(schedule, partner,
-                        lambda rank, a: costs[(rank, a.chunk)][0 if a.kind == "F" else 1], comm_time)
+    timelines, _ = _run(schedule, partner, duration, comm_time, sends_block)
 
     makespan = max((tl[-1][1] for tl in timelines if tl), default=0.0)
     busy = [sum(end - start for start, end, _ in tl) for tl in timelines]
     total_busy = sum(busy)
     idle = sum(makespan - b for b in busy)
-    peak = []
+    held_after_b = weight_memory if split else 0.0
+    delta = {"F": activation_memory, "B": held_after_b - activation_memory, "W": -held_after_b}
+    peak, peak_mem = [], []
     for tl in timelines:
         inflight = most = 0
+        memory = most_memory = 0.0
         for _, _, a in tl:
-            inflight += 1 if a.kind == "F" else -1
+            inflight += {"F": 1, "B": 0 if split else -1, "W": -1}[a.kind]
             most = max(most, inflight)
+            memory += delta[a.kind]
+            most_memory = max(most_memory, memory)
         peak.append(most)
+        peak_mem.append(most_memory)
+    stage_bubble = [tl[-1][1] - tl[0][0] - b if tl else 0.0 for tl, b in zip(timelines, busy)]
     return SimResult(timelines=timelines, makespan=makespan, busy_time=busy,
-                     bubble_overhead=idle / total_busy if total_busy > 0 else 0.0, peak_inflight=peak)
+                     bubble_overhead=idle / total_busy if total_busy > 0 else 0.0, peak_inflight=peak,
+                     stage_bubble=stage_bubble, peak_memory=peak_mem)

@@ -2,6 +2,10 @@
 
     python -m parallel3d.pipeline.visualize --schedule interleaved-1f1b --stages 4 \\
         --microbatches 8 --chunks 2 --out timeline.png [--text] [--forward-time 1 --backward-time 2]
+    python -m parallel3d.pipeline.visualize --schedule zb-v --stages 4 --microbatches 8 \\
+        --forward-time 1 --backward-time 1 --weight-time 1 --text
+
+W (weight-gradient) steps of the zero-bubble schedules are drawn light and dotted.
 
 The PNG needs matplotlib (``pip install matplotlib``); ``--text`` needs nothing.
 """
@@ -20,7 +24,7 @@ from parallel3d.pipeline.simulate import SimResult, simulate
 def _title(schedule, result: SimResult, args: argparse.Namespace) -> str:
     return (f"{schedule.name}: {schedule.num_stages} stages, {schedule.num_microbatches} microbatches, "
             f"{schedule.num_model_chunks} chunk(s)/rank; F={args.forward_time:g} B={args.backward_time:g} "
-            f"comm={args.comm_time:g}; makespan {result.makespan:g}, "
+            f"W={args.weight_time:g} comm={args.comm_time:g}; makespan {result.makespan:g}, "
             f"bubble overhead {result.bubble_overhead:.3f} (idle/busy)")
 
 
@@ -70,8 +74,10 @@ def draw_timeline(schedule, result: SimResult, path: str, title: str) -> None:
             color = cmap(a.microbatch % cmap.N)
             if a.kind == "B":  # backward: darker and hatched
                 color = tuple(0.6 * c for c in to_rgb(color))
+            elif a.kind == "W":  # weight gradient: lighter and dotted
+                color = tuple(0.5 + 0.5 * c for c in to_rgb(color))
             ax.add_patch(Rectangle((start, y + 0.1), end - start, 0.8, facecolor=color, edgecolor="black",
-                                   linewidth=0.6, hatch="//" if a.kind == "B" else None))
+                                   linewidth=0.6, hatch={"B": "//", "W": ".."}.get(a.kind)))
             ax.text((start + end) / 2, y + 0.5, str(a), ha="center", va="center", fontsize=7,
                     color="white" if a.kind == "B" else "black")
     ax.set_xlim(0, result.makespan)
@@ -80,8 +86,9 @@ def draw_timeline(schedule, result: SimResult, path: str, title: str) -> None:
     ax.set_xlabel("time (idle = white gaps); label = F/B microbatch.chunk")
     ax.set_title(title, fontsize=9)
     ax.legend(handles=[Patch(facecolor="lightgray", edgecolor="black", label="forward"),
-                       Patch(facecolor="dimgray", edgecolor="black", hatch="//", label="backward")],
-              loc="upper right", bbox_to_anchor=(1.0, -0.12), ncol=2, fontsize=7, frameon=False)
+                       Patch(facecolor="dimgray", edgecolor="black", hatch="//", label="backward (B)"),
+                       Patch(facecolor="whitesmoke", edgecolor="black", hatch="..", label="weight gradient (W)")],
+              loc="upper right", bbox_to_anchor=(1.0, -0.12), ncol=3, fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
@@ -92,10 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b")
     parser.add_argument("--stages", type=int, default=4, help="pipeline size P")
     parser.add_argument("--microbatches", type=int, default=8, help="M")
-    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank V (interleaved only)")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="model chunks per rank V (default 2 for zb-v and dualpipev, else 1)")
     parser.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None)
     parser.add_argument("--forward-time", type=float, default=1.0)
     parser.add_argument("--backward-time", type=float, default=2.0)
+    parser.add_argument("--weight-time", type=float, default=0.0,
+                        help="weight-gradient time W (part of the backward for schedules without W steps)")
     parser.add_argument("--comm-time", type=float, default=0.0)
     parser.add_argument("--out", help="PNG file to write (needs matplotlib)")
     parser.add_argument("--text", action="store_true", help="print the timeline as a table")
@@ -108,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         kw["microbatch_group_size_per_vp_stage"] = args.microbatch_group_size_per_vp_stage
     try:
         schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks, **kw)
-        result = simulate(schedule, args.forward_time, args.backward_time, args.comm_time)
+        result = simulate(schedule, args.forward_time, args.backward_time, args.comm_time,
+                          weight_time=args.weight_time)
     except ValueError as e:
         parser.error(str(e))
     title = _title(schedule, result, args)

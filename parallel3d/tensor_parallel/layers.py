@@ -14,6 +14,7 @@ finalisation read:
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Iterable, Optional
 
@@ -32,6 +33,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from . import wgrad_store
 from .utils import divide, group_rank_and_size, resolve_tp_group, split_tensor_for_rank, vocab_range
 
 InitMethod = Callable[[torch.Tensor], None]
@@ -150,7 +152,12 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
         grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
         total_x_2d = total_x.reshape(-1, total_x.size(-1))
-        if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
+        # A zero-bubble B: the weight-gradient GEMM waits for the schedule's W (the input
+        # gradient and its collective above stay here, on the critical path).
+        if wgrad_store.defer(weight, functools.partial(wgrad_store.add_weight_grad, weight, total_x_2d,
+                                                       grad_output_2d, ctx.gradient_accumulation_fusion)):
+            grad_weight = None
+        elif ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
             from parallel3d.fused import wgrad_accumulate
 
             wgrad_accumulate(total_x_2d, grad_output_2d, weight.main_grad)

@@ -33,6 +33,8 @@ LAYOUTS = {
     2: {"tp2-sp": (2, 1, None, True, []),
         "pp2-1f1b": (1, 2, None, False, []),
         "pp2-v2": (1, 2, 2, False, []),
+        "pp2-zbh1": (1, 2, None, False, ["--pipeline-schedule", "zb-h1"]),
+        "pp2-zbv": (1, 2, 2, False, ["--pipeline-schedule", "zb-v", "--overlap-grad-reduce"]),
         "dp2-overlap": (1, 1, None, False, ["--overlap-grad-reduce"]),
         "dp2-zero1": (1, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"])},
     4: {"tp2-pp2-v2-sp": (2, 2, 2, True, []),

@@ -1,0 +1,78 @@
+"""The automatic scheduler: measured times and a memory limit in, the fastest schedule out.
+
+    schedule = build_schedule("auto", P, M, forward_time=F, backward_time=B, weight_time=W,
+                              comm_time=C, memory_limit=2 * P)
+
+Candidates: 1F1B, ZB-H1 and ZB-H2 (one chunk per rank), or ZB-V and DualPipeV (two chunks in a
+V), plus the zero-bubble paper's greedy list scheduler (B when a gradient is there, else F
+within the memory limit, else W) run with the measured times at every in-flight limit from
+1F1B's to the memory limit.  Each candidate is validated and simulated under the executor's
+communication model; the one with the smallest makespan whose peak activation memory fits
+``memory_limit`` wins (ties: the earlier candidate, so a named schedule beats an ad-hoc one).
+
+Memory is counted in M_B, the activations one microbatch leaves on one pipeline rank's whole
+share of the model (a chunk of a V holds half); ``weight_fraction`` = M_W / M_B is what a
+microbatch still holds between its B and its W (the paper's Table 1: about 32/34).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .schedules import Schedule, ScheduleError, _add_comm, build_schedule
+from .simulate import SimResult, simulate, validate
+from .zero_bubble import greedy_orders, with_comm
+
+
+def _greedy(P: int, M: int, V: int, limit: int, times: tuple[float, float, float], comm_time: float) -> Schedule:
+    """The list scheduler at ``limit`` chunk-activations per rank (staggered by rank, as in 1F1B)."""
+    placement = "v" if V == 2 else "loop"
+    per_rank = [limit] * P if V == 2 else [max(1, limit - r) for r in range(P)]
+    orders = greedy_orders(P, M, V, placement, per_rank, limit, times, comm_time)
+    actions = _add_comm(P, V, orders, placement) if V == 1 else with_comm(orders, P, V, placement, times)
+    return Schedule(f"greedy-{limit}", P, M, V, actions, placement)
+
+
+def candidates(P: int, M: int, V: int, times: tuple[float, float, float], comm_time: float,
+               memory_limit: float) -> list[Schedule]:
+    named = ["1f1b", "zb-h1", "zb-h2"] if V == 1 else ["zb-v"] + (["dualpipev"] if M >= 2 * P else [])
+    out = [build_schedule(name, P, M, V) for name in named]
+    # Greedy limits in chunk forwards: 1F1B's (P per rank, 2P chunks of a V) up to the memory limit.
+    lowest = P * V
+    for limit in range(lowest, max(lowest, int(memory_limit * V)) + 1):
+        try:
+            out.append(_greedy(P, M, V, limit, times, comm_time))
+        except ValueError:
+            continue  # no order fits this limit
+    return out
+
+
+def auto_schedule(num_stages: int, num_microbatches: int, num_model_chunks: int = 1, *,
+                  forward_time: float = 1.0, backward_time: float = 1.0, weight_time: float = 1.0,
+                  comm_time: float = 0.0, memory_limit: Optional[float] = None, weight_fraction: float = 0.94,
+                  sends_block: bool = True, results: Optional[dict[str, SimResult]] = None) -> Schedule:
+    """The candidate with the smallest simulated makespan within ``memory_limit`` M_B per rank.
+
+    memory_limit defaults to 1F1B's peak, P M_B.  ``results``, if given, receives every
+    candidate's simulation by name (what the benchmark prints).
+    """
+    P, M, V = num_stages, num_microbatches, num_model_chunks
+    limit = float(P) if memory_limit is None else float(memory_limit)
+    if limit < 1:
+        raise ValueError(f"memory_limit must be >= 1 M_B (one microbatch's activations), got {memory_limit}")
+    times = (forward_time, backward_time, weight_time)
+    best: Optional[tuple[float, Schedule]] = None
+    for schedule in candidates(P, M, V, times, comm_time, limit):
+        try:
+            validate(schedule)
+        except ScheduleError:
+            continue  # a greedy order whose messages cannot be batched deadlock-free
+        result = simulate(schedule, forward_time, backward_time, comm_time, weight_time=weight_time,
+                          activation_memory=1.0 / V, weight_memory=weight_fraction / V, sends_block=sends_block)
+        if results is not None:
+            results[schedule.name] = result
+        if max(result.peak_memory) <= limit + 1e-9 and (best is None or result.makespan < best[0] - 1e-9):
+            best = (result.makespan, schedule)
+    if best is None:
+        raise ValueError(f"no {V}-chunk schedule for P={P}, M={M} fits memory_limit={limit} M_B per rank")
+    return dataclasses.replace(best[1], name=f"auto({best[1].name})")

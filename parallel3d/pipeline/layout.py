@@ -1,0 +1,107 @@
+"""How many transformer layers each (virtual) pipeline stage holds: Megatron's layout flags and a
+split balanced by cost.
+
+Precedence (the first given wins):
+1. ``--pipeline-model-parallel-layout`` (Megatron's grammar): stages separated by ``|``, ``E`` the
+   embedding, ``t`` a transformer layer, ``L`` the output layer and loss, ``X*n`` / ``(...)*n``
+   repetition, commas and spaces ignored; stages listed by virtual stage (v = chunk * P + rank).
+   Example: ``"Et|(tt|)*6L"`` for 14 layers on 8 stages.  ``m`` (MTP) is not supported.
+2. ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``.
+3. ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``:
+   an even split in which the embedding / the loss counts as one layer of the first / last stage.
+4. ``--pipeline-split balanced`` (default): the contiguous split minimising the most expensive
+   stage by FLOPs, counting the output layer and loss on the last stage (:func:`head_cost_in_layers`);
+   ``--pipeline-split even``: Megatron's default, every stage the same number of layers.
+
+Every path ends in :func:`stage_counts`, which refuses a layout that would drop or duplicate a layer.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from .partition import _balanced_counts, _even_counts
+
+
+class LayoutError(ValueError):
+    """A pipeline layout that does not hold every layer exactly once."""
+
+
+def expand_layout(text: str) -> str:
+    """Megatron's layout string with repetitions expanded and cosmetic commas/spaces removed."""
+    s = re.sub(r"[\s,]", "", text)
+    group = re.compile(r"\(([^()]*)\)\*(\d+)")
+    while True:
+        s, n = group.subn(lambda m: m.group(1) * int(m.group(2)), s)
+        if not n:
+            break
+    s = re.sub(r"([EtmL])\*(\d+)", lambda m: m.group(1) * int(m.group(2)), s)
+    bad = set(s) - set("EtL|")
+    if bad:
+        what = "MTP layers ('m') are not supported" if bad == {"m"} else f"unknown symbols {sorted(bad)}"
+        raise LayoutError(f"--pipeline-model-parallel-layout {text!r}: {what}; use E, t, L, |, (...)*n")
+    return s
+
+
+def parse_layout(text: str, num_stages: int, num_layers: int) -> list[int]:
+    """Transformer layers per virtual stage, from a layout string (see the module doc)."""
+    stages = expand_layout(text).split("|")
+    if len(stages) != num_stages:
+        raise LayoutError(f"--pipeline-model-parallel-layout {text!r} has {len(stages)} stages, expected "
+                          f"pipeline x virtual size = {num_stages}")
+    flat = "".join(stages)
+    if flat.count("E") != 1 or not stages[0].startswith("E"):
+        raise LayoutError(f"--pipeline-model-parallel-layout {text!r}: the embedding 'E' must appear once, "
+                          "first in the first stage")
+    if flat.count("L") != 1 or not stages[-1].endswith("L"):
+        raise LayoutError(f"--pipeline-model-parallel-layout {text!r}: the loss 'L' must appear once, "
+                          "last in the last stage")
+    return stage_counts([s.count("t") for s in stages], num_layers, f"--pipeline-model-parallel-layout {text!r}")
+
+
+def stage_counts(counts: list[int], num_layers: int, source: str) -> list[int]:
+    """``counts`` if it holds every one of ``num_layers`` layers exactly once, else a LayoutError."""
+    total = sum(counts)
+    if total != num_layers:
+        verb = "drop" if total < num_layers else "duplicate"
+        raise LayoutError(f"{source} places {total} transformer layers ({counts} per stage) but the model "
+                          f"has --num-layers {num_layers}: it would {verb} {abs(num_layers - total)} layer(s)")
+    if any(c < 0 for c in counts):
+        raise LayoutError(f"{source} gives a stage a negative number of layers: {counts}")
+    return counts
+
+
+def head_cost_in_layers(hidden_size: int, seq_length: int, padded_vocab_size: int) -> float:
+    """The output layer and loss in units of one transformer layer, by training FLOPs.
+
+    Layer: 72 b s h^2 + 12 b s^2 h (QKV, projection and a 4h MLP, attention scores; forward
+    plus backward = 3x forward); output layer: 6 b s h V.  GPT-1.3B (h 2048, s 2048, V 50257):
+    1.75 layers, what the issue measured (21.9 ms against about 10 for a chunk of 12 layers / 2).
+    """
+    h, s, V = hidden_size, seq_length, padded_vocab_size
+    return 6 * h * V / (72 * h * h + 12 * s * h)
+
+
+def layer_counts(args: Any, num_stages: int) -> Optional[list[int]]:
+    """Layers per virtual stage from the arguments (see the module doc); None = an even split."""
+    L = args.num_layers
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if layout:
+        return parse_layout(layout, num_stages, L)
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if first is not None or last is not None:
+        return None  # the caller's own rule (it also checks it splits evenly)
+    emb = int(bool(getattr(args, "account_for_embedding_in_pipeline_split", False)))
+    loss = int(bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+    if emb or loss:
+        counts = _even_counts(L + emb + loss, num_stages)
+        counts[0] -= emb
+        counts[-1] -= loss
+        return stage_counts(counts, L, "--account-for-embedding/loss-in-pipeline-split")
+    if getattr(args, "pipeline_split", "balanced") == "even" or num_stages == 1:
+        return None
+    head = head_cost_in_layers(args.hidden_size, args.seq_length, getattr(args, "padded_vocab_size", None)
+                               or args.vocab_size)
+    if L < num_stages:
+        return None  # not enough layers to balance: the even split's error says so
+    return _balanced_counts([1.0] * L, num_stages, 0.0, head, allow_empty=False)

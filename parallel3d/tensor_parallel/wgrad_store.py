@@ -1,0 +1,85 @@
+"""Weight gradients deferred from a backward (B) to a later W step (zero-bubble pipelines).
+
+A zero-bubble schedule runs a microbatch's backward in two steps: B computes the input
+gradient that the previous pipeline stage waits for, W computes the weight gradients that
+nobody waits for.  Our linear layers' autograd Function computes its input gradient (and runs
+its TP collective) in its backward as always; inside :func:`deferring` it hands its
+weight-gradient GEMM to the store as a closure over the tensors that GEMM reads, instead of
+running it.  The schedule's W step then calls :func:`run_deferred`.  No graph surgery: the
+Function is an ordinary node, so activation checkpointing's recomputed forward produces the very
+tensors the closure captures.
+
+Where a gradient lands: with ``main_grad`` (the DDP buffer) it is added there (fused with the
+GEMM where the layer asks for gradient_accumulation_fusion), else summed into ``.grad``.
+
+DDP: a bucket may only be reduced once every weight in it has its gradient.  A weight owes one
+gradient per deferred GEMM (``wgrad_pending``); DDP's readiness hook leaves such a weight
+un-ready (it still banks any ``.grad`` autograd gave it, e.g. a tied embedding's lookup part), and
+the W step calls the weight's ``deferred_grad_ready`` hook (set by DDP) once it owes nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional
+
+import torch
+
+Deferred = list[tuple[torch.Tensor, Callable[[], None]]]
+
+# The list the running B collects into.  Module state rather than thread-local: autograd runs
+# CUDA backward functions on its own device threads, outside the thread that called backward.
+_collector: Optional[Deferred] = None
+
+
+@contextlib.contextmanager
+def deferring(into: Deferred) -> Iterator[Deferred]:
+    """Within this context, linear layers defer their weight-gradient GEMMs into ``into``."""
+    global _collector
+    previous, _collector = _collector, into
+    try:
+        yield into
+    finally:
+        _collector = previous
+
+
+def is_deferring() -> bool:
+    return _collector is not None
+
+
+def defer(weight: torch.Tensor, compute: Callable[[], None]) -> bool:
+    """Queue ``compute`` (which adds weight's gradient) when a B is deferring; False to run it now."""
+    if _collector is None:
+        return False
+    weight.wgrad_pending = getattr(weight, "wgrad_pending", 0) + 1
+    _collector.append((weight, compute))
+    return True
+
+
+@torch.no_grad()
+def run_deferred(items: Deferred) -> None:
+    """Run (and drop) the GEMMs one B deferred, in the order that B queued them."""
+    while items:
+        weight, compute = items.pop(0)
+        compute()
+        weight.wgrad_pending -= 1
+        ready = getattr(weight, "deferred_grad_ready", None)
+        if weight.wgrad_pending == 0 and ready is not None:
+            ready(weight)
+
+
+def add_weight_grad(weight: torch.Tensor, total_x_2d: torch.Tensor, grad_output_2d: torch.Tensor,
+                    fused: bool) -> None:
+    """weight's gradient += grad_output^T @ input, into main_grad where there is one."""
+    main_grad = getattr(weight, "main_grad", None)
+    if fused and main_grad is not None:
+        from parallel3d.fused import wgrad_accumulate
+
+        wgrad_accumulate(total_x_2d, grad_output_2d, main_grad)
+        return
+    grad = grad_output_2d.t().matmul(total_x_2d)
+    if main_grad is not None:
+        main_grad.add_(grad)
+    elif weight.grad is None:
+        weight.grad = grad.to(weight.dtype)
+    else:
+        weight.grad.add_(grad)

@@ -1,0 +1,80 @@
+"""Pipeline layouts: Megatron's layout string and split flags, the cost-balanced default, clear errors."""
+import argparse
+
+import pytest
+
+from parallel3d.pipeline.layout import (
+    LayoutError,
+    expand_layout,
+    head_cost_in_layers,
+    layer_counts,
+    parse_layout,
+)
+
+
+def _args(**kw):
+    base = dict(num_layers=24, hidden_size=2048, seq_length=2048, vocab_size=50257, padded_vocab_size=50304,
+                decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+                pipeline_model_parallel_layout=None, account_for_embedding_in_pipeline_split=False,
+                account_for_loss_in_pipeline_split=False, pipeline_split="balanced")
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_layout_grammar():
+    assert expand_layout("Et|(tt|)*6L") == "Et|tt|tt|tt|tt|tt|tt|L"
+    assert expand_layout("E, t*3 | t*3 L") == "Ettt|tttL"
+    assert parse_layout("Et|(tt|)*6L", 8, 13) == [1, 2, 2, 2, 2, 2, 2, 0]
+    assert parse_layout("Ettt|(tt|)*2tL", 4, 8) == [3, 2, 2, 1]
+
+
+@pytest.mark.parametrize("text,stages,layers,message", [
+    ("Ett|ttL", 2, 6, r"places 4 transformer layers \(\[2, 2\] per stage\) .* --num-layers 6: it would drop 2"),
+    ("Ettt|tttL", 2, 4, r"it would duplicate 2 layer"),
+    ("Ett|tt|L", 2, 4, r"has 3 stages, expected pipeline x virtual size = 2"),
+    ("tEt|ttL", 2, 4, r"'E' must appear once, first in the first stage"),
+    ("Ett|tLt", 2, 4, r"'L' must appear once, last in the last stage"),
+    ("Ett|tmL", 2, 3, r"MTP layers \('m'\) are not supported"),
+    ("Ett|txL", 2, 3, r"unknown symbols \['x'\]"),
+])
+def test_layout_errors_name_the_problem(text, stages, layers, message):
+    with pytest.raises(LayoutError, match=message):
+        parse_layout(text, stages, layers)
+
+
+def test_head_cost_of_gpt_1_3b_is_what_the_issue_measured():
+    assert head_cost_in_layers(2048, 2048, 50257) == pytest.approx(1.75, abs=0.01)
+
+
+def test_balanced_default_moves_layers_off_the_loss_stage():
+    assert layer_counts(_args(), 2) == [13, 11]  # 13 vs 11 + 1.75
+    assert layer_counts(_args(pipeline_split="even"), 2) is None
+    assert sum(layer_counts(_args(), 4)) == 24 and layer_counts(_args(), 4)[-1] < 6
+
+
+def test_account_for_embedding_and_loss():
+    # Megatron: the embedding and the loss each count as a layer of the even split.
+    assert layer_counts(_args(num_layers=6, account_for_embedding_in_pipeline_split=True,
+                              account_for_loss_in_pipeline_split=True), 4) == [1, 2, 2, 1]
+    assert layer_counts(_args(num_layers=7, account_for_loss_in_pipeline_split=True), 2) == [4, 3]
+
+
+def test_pretrain_script_partition_from_the_flags():
+    from gpt_harness import layout_args, pretrain_gpt
+    from parallel3d.arguments import ArgumentError
+
+    args = layout_args("gpt2", pp=4, extra=["--pipeline-model-parallel-layout", "Ettt|tt|tt|tL"], world=4)
+    assert [len(r[0]) for r in pretrain_gpt.layer_partition(args)] == [3, 2, 2, 1]
+    args = layout_args("gpt2", pp=2, vp=2, extra=["--pipeline-schedule", "zb-v", "--account-for-loss-in-pipeline-split",
+                                                  "--account-for-embedding-in-pipeline-split"], world=2)
+    # 8 layers + E + L over 4 stages: [2, 3, 3, 2] (inner stages first) -> [1, 3, 3, 1];
+    # the V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+    assert pretrain_gpt.layer_partition(args) == [[range(0, 1), range(7, 8)], [range(1, 4), range(4, 7)]]
+    args = layout_args("gpt2", pp=2, extra=["--pipeline-model-parallel-layout", "Ettt|tttL"], world=2)
+    with pytest.raises(ArgumentError, match="it would drop 2 layer"):
+        pretrain_gpt.layer_partition(args)
+
+
+def test_layout_string_wins_and_explicit_first_last_are_left_to_the_caller():
+    assert layer_counts(_args(num_layers=4, pipeline_model_parallel_layout="Et|tttL"), 2) == [1, 3]
+    assert layer_counts(_args(decoder_first_pipeline_num_layers=10), 2) is None

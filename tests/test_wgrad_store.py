@@ -1,0 +1,82 @@
+"""The B/W split inside the TP linear layers: deferral, recompute, DDP bucket readiness."""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel3d import tensor_parallel as tp
+from parallel3d.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from parallel3d.tensor_parallel import wgrad_store
+from parallel3d.testing import run_distributed
+
+
+class Mlp(nn.Module):
+    def __init__(self, recompute: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = tp.ColumnParallelLinear(6, 12)
+        self.fc2 = tp.RowParallelLinear(12, 6)
+        self.recompute = recompute
+
+    def block(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)[0]))[0]
+
+    def forward(self, x):
+        return x + (tp.checkpoint(self.block, x) if self.recompute else self.block(x))
+
+
+def _grads(model, x, deferred=None):
+    x = x.detach().requires_grad_()
+    if deferred is None:
+        (model(x) ** 2).sum().backward()
+    else:
+        with wgrad_store.deferring(deferred):
+            (model(x) ** 2).sum().backward()
+    return x.grad, {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_b_defers_weight_gemms_and_w_runs_them():
+    for recompute in (False, True):
+        x = torch.randn(4, 3, 6)
+        ref_x, ref = _grads(Mlp(recompute), x)
+        model, deferred = Mlp(recompute), []
+        got_x, after_b = _grads(model, x, deferred)
+        torch.testing.assert_close(got_x, ref_x)  # B: the input gradient, complete
+        assert after_b["fc1.weight"] is None and after_b["fc2.weight"] is None, "weight GEMMs ran in B"
+        torch.testing.assert_close(after_b["fc1.bias"], ref["fc1.bias"])  # biases stay in B
+        assert len(deferred) == 2 and not wgrad_store.is_deferring()
+        wgrad_store.run_deferred(deferred)  # W
+        assert deferred == [] and model.fc1.weight.wgrad_pending == 0
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref[name], msg=f"recompute={recompute} {name}")
+
+
+def _ddp_bucket_waits_for_w(rank, world_size):
+    results, group = [], dist.new_group([0, 1])
+    for fusion in (False, True):
+        model = Mlp()
+        for layer in (model.fc1, model.fc2):
+            layer.gradient_accumulation_fusion = fusion
+        ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True,
+                                                                           bucket_size=None), dp_group=group)
+        x = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(rank))
+        deferred = []
+        with wgrad_store.deferring(deferred):
+            (ddp(x) ** 2).sum().backward()
+        assert not any(b.launched for b in ddp.buckets), "a bucket was reduced before its W"
+        wgrad_store.run_deferred(deferred)
+        assert all(b.launched for b in ddp.buckets), "W made every weight ready: the bucket must launch"
+        ddp.finish_grad_sync()
+        # Against the same step without the split.
+        ref = Mlp()
+        ref_ddp = DistributedDataParallel(ref, DistributedDataParallelConfig(overlap_grad_reduce=True,
+                                                                             bucket_size=None), dp_group=group)
+        (ref_ddp(x) ** 2).sum().backward()
+        ref_ddp.finish_grad_sync()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.main_grad, q.main_grad, msg=f"fusion={fusion} {name}")
+        results.append(fusion)
+    return results
+
+
+def test_ddp_bucket_is_ready_only_after_w():
+    assert run_distributed(_ddp_bucket_waits_for_w, 2, timeout=120) == [[False, True]] * 2
