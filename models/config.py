@@ -289,6 +289,12 @@ class TransformerConfig:
             per_rank[-1] = last
         return [per_rank[v % pp] // chunks for v in range(pp * chunks)]
 
+    def checkpoint_mismatches(self, saved: dict[str, Any]) -> list[str]:
+        """The architecture fields where a saved config (its JSON) differs from this one: checkpointing
+        refuses such a checkpoint (parallel3d.model_chunk.CheckpointableConfig)."""
+        return [f"{k}: checkpoint {saved[k]!r} vs this run {getattr(self, k)!r}" for k in _ARCHITECTURE
+                if k in saved and saved[k] != getattr(self, k)]
+
     @property
     def rotary_dim(self) -> int:
         return int(self.kv_channels * self.rotary_percent)
@@ -297,6 +303,10 @@ class TransformerConfig:
     def swiglu(self) -> bool:
         return self.gated_linear_unit and self.activation == "silu"
 
+
+_ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                 "vocab_size", "normalization", "position_embedding_type", "gated_linear_unit", "add_bias_linear",
+                 "untie_embeddings_and_output_weights", "kv_channels")
 
 # --- presets ----------------------------------------------------------------------------------
 

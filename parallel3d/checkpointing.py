@@ -373,14 +373,8 @@ def check_compatible(meta: dict[str, Any], model_config: Any, ckpt_dir: str) -> 
                 "convert it first: python tools/convert_checkpoint.py --loader parallel3d --saver parallel3d "
                 "--target-tensor-parallel-size ... --target-pipeline-parallel-size ..."
             )
-    if model_config is None or not meta.get("model_config"):
-        return
-    saved, current = meta["model_config"], _to_jsonable(model_config)
-    arch = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-            "vocab_size", "normalization", "position_embedding_type", "gated_linear_unit", "add_bias_linear",
-            "untie_embeddings_and_output_weights", "kv_channels")
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs this run {current.get(k)!r}"
-             for k in arch if k in saved and k in current and saved[k] != current[k]]
+    check = getattr(model_config, "checkpoint_mismatches", None)  # the model's own rule (model_chunk.py)
+    diffs = check(meta["model_config"]) if check is not None and meta.get("model_config") else []
     if diffs:
         raise CheckpointError(f"{ckpt_dir} holds another model: " + "; ".join(diffs))
 

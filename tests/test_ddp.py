@@ -391,7 +391,8 @@ def _broadcast_params(dp_group, dp_rank):
     dist.all_gather(gathered, flat, group=dp_group)
     assert all(torch.equal(g, gathered[0]) for g in gathered), "DP ranks differ after broadcast_params()"
     assert set(ddp.state_dict()) == set(model.state_dict()), "DDP state_dict must not add a 'module.' prefix"
-    assert ddp.blocks is model.blocks, "attribute access falls through to the module"
+    assert not hasattr(ddp, "blocks"), "only the model contract (parallel3d.model_chunk) reaches the module"
+    assert ddp.pre_process and ddp.post_process and ddp.shared_embedding_or_output_weight() is None
     return True
 
 

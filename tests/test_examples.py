@@ -22,6 +22,7 @@ def _torchrun(nproc: int, script: str, *args: str, timeout: int = 240) -> str:
 def test_custom_model_tp_example_matches_dense():
     out = _torchrun(4, "examples/custom_model_tp.py")
     assert "TP=4: matches the dense model" in out, out
+    assert "TP=2 x PP=2: matches the dense model" in out, out  # the model contract is all a chunk implements
 
 
 def test_demo_command_trains_saves_and_samples(tmp_path):

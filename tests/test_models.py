@@ -19,6 +19,7 @@ import parallel3d.models.attention as attention_module
 import parallel3d.models.ops as ops_module
 from parallel3d.models import GPTModel, gather_logits, gpt2_config, llama_config, llama_ffn_hidden_size
 from parallel3d import parallel_state as ps
+from parallel3d.model_chunk import CheckpointableConfig, PipelineChunk
 from parallel3d import tensor_parallel as tp
 from parallel3d.tensor_parallel import split_tensor_for_rank
 from parallel3d.testing import run_distributed
@@ -145,6 +146,11 @@ def test_forward_backward_and_reference(family):
     assert torch.all(emb[cfg.vocab_size:] == 0) and torch.all(emb.grad[cfg.vocab_size:] == 0), "padding rows"
     assert (model.shared_embedding_or_output_weight() is emb) == (family == "gpt2")
     assert [layer.layer_number for layer in model.decoder.layers] == [1, 2]
+    assert isinstance(model, PipelineChunk) and isinstance(cfg, CheckpointableConfig)  # the model contract
+    saved = dataclasses.asdict(cfg)
+    assert cfg.checkpoint_mismatches(saved) == []
+    assert cfg.checkpoint_mismatches({**saved, "hidden_size": 8, "seed": 9}) == [
+        f"hidden_size: checkpoint 8 vs this run {cfg.hidden_size}"]  # architecture only, not the seed
 
 
 @pytest.mark.parametrize("family, overrides", [

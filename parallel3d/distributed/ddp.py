@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import parallel_state
+from parallel3d.model_chunk import is_first_stage_chunk, is_last_stage_chunk, shared_weight
 
 from .param_and_grad_buffer import (
     Bucket,
@@ -116,12 +117,8 @@ class DistributedDataParallel(nn.Module):
         separate = frozenset()
         if ddp_config.use_distributed_optimizer:
             shared = [p for p in params if getattr(p, "shared_embedding", False)]
-            if getattr(module, "share_embeddings_and_output_weights", False) and hasattr(
-                    module, "shared_embedding_or_output_weight"):
-                w = module.shared_embedding_or_output_weight()
-                if w is not None:
-                    shared.append(w)
-            separate = frozenset(shared)
+            w = shared_weight(module)
+            separate = frozenset(shared + ([w] if w is not None else []))
 
         by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
         for p in params:
@@ -300,11 +297,29 @@ class DistributedDataParallel(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs: Any):
         return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            # Model methods and attributes (set_input_tensor, shared_embedding_or_output_weight, pre_process, ...)
-            return getattr(self.module, name)
+    # ------------------------------------------------------------------ the model contract (model_chunk.py)
+    @property
+    def pre_process(self) -> bool:
+        return is_first_stage_chunk(self.module)
+
+    @property
+    def post_process(self) -> bool:
+        return is_last_stage_chunk(self.module)
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return bool(getattr(self.module, "share_embeddings_and_output_weights", False))
+
+    @property
+    def config(self) -> Any:
+        return getattr(self.module, "config", None)
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        return shared_weight(self.module)
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        set_input = getattr(self.module, "set_input_tensor", None)
+        if set_input is not None:
+            set_input(input_tensor)
+        elif input_tensor is not None:
+            raise TypeError("a model chunk of a non-first pipeline stage must define set_input_tensor()")

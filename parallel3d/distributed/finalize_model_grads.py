@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import parallel_state as ps
+from parallel3d.model_chunk import shared_weight
 from parallel3d.tensor_parallel import allreduce_sequence_parallel_gradients
 
 from .ddp import DistributedDataParallel
@@ -92,7 +93,7 @@ def _allreduce_word_embedding_grads(chunks: Sequence[DistributedDataParallel], s
     module = _embedding_chunk(chunks, state)
     if module is None or not getattr(module, "share_embeddings_and_output_weights", False):
         return
-    weight = module.shared_embedding_or_output_weight()
+    weight = shared_weight(module)
     if weight is None:
         raise RuntimeError(
             f"pipeline stage {state.pipeline_model_parallel_rank} sets share_embeddings_and_output_weights but "

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import parallel_state as ps
+from parallel3d.model_chunk import is_first_stage_chunk, shared_weight
 
 from .clip_grads import (
     clip_grad_by_total_norm_fp32,
@@ -174,12 +175,9 @@ class MegatronOptimizer:
         # The tied word embedding's copy on a later stage: counted once in norms (on the first stage).
         self._shared_copies: set = set()
         for chunk in self.model_chunks:
-            module = chunk.module
-            if (getattr(module, "share_embeddings_and_output_weights", False) and not getattr(
-                    module, "pre_process", True) and hasattr(module, "shared_embedding_or_output_weight")):
-                w = module.shared_embedding_or_output_weight()
-                if w is not None:
-                    self._shared_copies.add(w)
+            w = shared_weight(chunk.module)
+            if w is not None and not is_first_stage_chunk(chunk.module):
+                self._shared_copies.add(w)
         self.optimizer: torch.optim.Optimizer  # built by the subclass with _build_torch_optimizer
 
     # ------------------------------------------------------------------ construction helpers
