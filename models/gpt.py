@@ -200,14 +200,16 @@ class GPTModel(nn.Module):
         self._mark_embedding_parameters()
 
     def _mark_embedding_parameters(self) -> None:
-        """Megatron's attribute for the gradient finalisation, DDP and the optimizer."""
+        """Megatron's parameter attributes: ``zero_out_wgrad`` (fused wgrad) and ``shared_embedding`` (ZeRO-1's
+        own bucket for the weight two stages hold; finalize_model_grads sums its gradient over the embedding
+        group through shared_embedding_or_output_weight())."""
         if self.pre_process and self.post_process and self.share_embeddings_and_output_weights:
             # The output layer is fed the embedding weight, which has gradients from the embedding too:
             # a fused wgrad must leave those for the DDP hook to add (Megatron's zero_out_wgrad).
             self.embedding.word_embeddings.weight.zero_out_wgrad = True
         shared = self.shared_embedding_or_output_weight()
         if shared is not None and self.pre_process != self.post_process:
-            # Held by the first and the last stage: its gradients must be summed over the embedding group.
+            # Held by the first and the last stage: DDP keeps it out of the shared ZeRO-1 buckets.
             shared.shared_embedding = True
 
     # --- Megatron's pipeline hooks ------------------------------------------------------------

@@ -20,9 +20,13 @@ from .config import TransformerConfig
 
 _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 
-# --- fused-op wrappers --------------------------------------------------------------------------
-# The model calls parallel3d.fused's ops (CUDA kernels, with PyTorch fallbacks off the GPU) where
-# the matching config flag is on, and these plain_* compositions where it is off.
+# --- unfused compositions ----------------------------------------------------------------------
+# The fusion rule (parallel3d/fused/__init__.py): the model calls parallel3d.fused's ops where the
+# matching config flag is on (CUDA kernels; their PyTorch fallbacks off the GPU or under
+# PARALLEL3D_DISABLE_FUSION=1) and these plain_* compositions where it is off. In fp32 both compute the
+# same formulas. In bf16/fp16 these keep Megatron's unfused numerics on purpose where the fused
+# fallbacks compute in fp32: LayerNorm in torch's kernel, RMSNorm cast before the weight (HF LLaMA),
+# RoPE and the causal softmax in the input dtype. bias-GeLU, bias-SwiGLU and bias-dropout-add match.
 
 def plain_bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "tanh") -> torch.Tensor:
     """GeLU of x + bias; "tanh" is Megatron's fused formula and HF GPT-2's gelu_new, "none" is erf."""
@@ -103,7 +107,9 @@ def vocab_init(init_method: InitMethod, vocab_size: int) -> InitMethod:
 
 
 def dropout_rng(sequence_parallel: bool, active: bool):
-    """Dropout on a TP-split or sequence-sharded tensor runs on the per-rank tracked stream."""
+    """Hidden dropout under sequence parallelism (each TP rank holds another part of the sequence) runs on the
+    per-rank tracked stream; without it the hidden states are replicated over TP and every rank draws the
+    same mask from the default stream. (Attention dropout, on TP-split heads, always forks: attention.py.)"""
     return get_cuda_rng_tracker().fork() if (sequence_parallel and active) else contextlib.nullcontext()
 
 

@@ -119,21 +119,10 @@ class ParallelState:
         return ParallelState(1, 1, 1, None, "tp-dp-pp", 0, {k: [0] for k in kinds}, {k: None for k in kinds})
 
     # Names follow Megatron so that porting scripts is mechanical.
-    @property
-    def tensor_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups["tp"]
-
-    @property
-    def pipeline_model_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups["pp"]
-
-    @property
-    def data_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups["dp"]
-
-    @property
-    def model_parallel_group(self) -> dist.ProcessGroup:
-        return self.groups["mp"]
+    tensor_model_parallel_group = property(lambda self: self.groups["tp"])
+    pipeline_model_parallel_group = property(lambda self: self.groups["pp"])
+    data_parallel_group = property(lambda self: self.groups["dp"])
+    model_parallel_group = property(lambda self: self.groups["mp"])
 
     @property
     def embedding_group(self) -> Optional[dist.ProcessGroup]:

@@ -19,6 +19,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -304,13 +305,8 @@ def build_train_valid_test_datasets(
     sizes = [int(n) for n in train_valid_test_num_samples]
     if len(sizes) != 3 or any(n < 0 for n in sizes):
         raise ValueError(f"train_valid_test_num_samples must be 3 non-negative ints, got {train_valid_test_num_samples}")
-    config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        eod_token=eod_token,
-        eod_mask_loss=eod_mask_loss,
-        reset_position_ids=reset_position_ids,
-    )
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, eod_token=eod_token,
+                              eod_mask_loss=eod_mask_loss, reset_position_ids=reset_position_ids)
     prefixes, weights = get_blend_from_list(data_path)
     parse_and_normalize_split(split)  # a bad split string fails before any file is opened
     for prefix in prefixes:
@@ -321,29 +317,20 @@ def build_train_valid_test_datasets(
     if len(prefixes) == 1:
         return tuple(_build_splits_for_prefix(prefixes[0], split, sizes, config))
 
+    def blend(per_prefix: list, make: Callable[[int, list], BlendedDataset]) -> tuple:
+        """Split s of every prefix blended by ``make(s, parts)``; None where the split is empty."""
+        splits = [[datasets[s] for datasets in per_prefix] for s in range(3)]
+        return tuple(None if parts[0] is None else make(s, parts) for s, parts in enumerate(splits))
+
     if weights is None:
         # Blend by size: one epoch of each, drawn in proportion to their lengths.
         per_prefix = [_build_splits_for_prefix(p, split, [None] * 3, config) for p in prefixes]
-        result = []
-        for s in range(3):
-            parts = [datasets[s] for datasets in per_prefix]
-            if parts[0] is None:
-                result.append(None)
-                continue
-            lengths = [len(d) for d in parts]
-            result.append(BlendedDataset(parts, lengths, min(sizes[s], sum(lengths))))
-        return tuple(result)
+        return blend(per_prefix, lambda s, parts: BlendedDataset(
+            parts, [len(d) for d in parts], min(sizes[s], sum(len(d) for d in parts))))
 
     weights = normalize(weights)
     # Target samples per dataset per split, and what we build of each (with surplus).
     target = [[math.ceil(size * w) for size in sizes] for w in weights]
     buffered = [[math.ceil(t * (1 + MID_LEVEL_DATASET_SURPLUS)) for t in row] for row in target]
     per_prefix = [_build_splits_for_prefix(p, split, buffered[k], config) for k, p in enumerate(prefixes)]
-    result = []
-    for s in range(3):
-        parts = [datasets[s] for datasets in per_prefix]
-        if parts[0] is None:
-            result.append(None)
-            continue
-        result.append(BlendedDataset(parts, weights, sum(row[s] for row in target)))
-    return tuple(result)
+    return blend(per_prefix, lambda s, parts: BlendedDataset(parts, weights, sum(row[s] for row in target)))

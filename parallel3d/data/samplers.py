@@ -169,26 +169,12 @@ def build_pretraining_data_loader(
         return None
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    common = dict(total_samples=len(dataset), consumed_samples=consumed_samples, micro_batch_size=micro_batch_size,
+                  data_parallel_rank=data_parallel_rank, data_parallel_size=data_parallel_size)
     if dataloader_type == "single":
-        batch_sampler = MegatronPretrainingSampler(
-            total_samples=len(dataset),
-            consumed_samples=consumed_samples,
-            micro_batch_size=micro_batch_size,
-            data_parallel_rank=data_parallel_rank,
-            data_parallel_size=data_parallel_size,
-            drop_last=drop_last,
-        )
+        batch_sampler = MegatronPretrainingSampler(**common, drop_last=drop_last)
     elif dataloader_type == "cyclic":
-        batch_sampler = MegatronPretrainingRandomSampler(
-            dataset,
-            total_samples=len(dataset),
-            consumed_samples=consumed_samples,
-            micro_batch_size=micro_batch_size,
-            data_parallel_rank=data_parallel_rank,
-            data_parallel_size=data_parallel_size,
-            data_sharding=data_sharding,
-            seed=seed,
-        )
+        batch_sampler = MegatronPretrainingRandomSampler(dataset, **common, data_sharding=data_sharding, seed=seed)
     else:
         raise ValueError(f"dataloader_type must be 'single' or 'cyclic', got {dataloader_type!r}")
     return torch.utils.data.DataLoader(

@@ -80,14 +80,16 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 
 class _ScatterToRegion(torch.autograd.Function):
+    """Keep this rank's slice of ``dim`` (-1: the hidden dim, 0: the sequence); all-gather the gradient."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, -1, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, -1, ctx.group), None
+        return _gather(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -99,17 +101,6 @@ class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _split(grad, -1, ctx.group), None
-
-
-class _ScatterToSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, 0, ctx.group), None
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
@@ -150,7 +141,7 @@ def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: Optional[di
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Keep this rank's slice of the last dim; all-gather the gradient."""
-    return _ScatterToRegion.apply(x, resolve_tp_group(group))
+    return _ScatterToRegion.apply(x, resolve_tp_group(group), -1)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
@@ -160,7 +151,7 @@ def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: Optional[di
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Keep this rank's slice of the sequence (first) dim; all-gather the gradient."""
-    return _ScatterToSequenceRegion.apply(x, resolve_tp_group(group))
+    return _ScatterToRegion.apply(x, resolve_tp_group(group), 0)
 
 
 def gather_from_sequence_parallel_region(
