@@ -123,22 +123,10 @@ class ParallelState:
     pipeline_model_parallel_group = property(lambda self: self.groups["pp"])
     data_parallel_group = property(lambda self: self.groups["dp"])
     model_parallel_group = property(lambda self: self.groups["mp"])
-
-    @property
-    def embedding_group(self) -> Optional[dist.ProcessGroup]:
-        return self.groups.get("embedding")
-
-    @property
-    def tensor_model_parallel_rank(self) -> int:
-        return self.group_ranks["tp"].index(self.rank)
-
-    @property
-    def pipeline_model_parallel_rank(self) -> int:
-        return self.group_ranks["pp"].index(self.rank)
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.group_ranks["dp"].index(self.rank)
+    embedding_group = property(lambda self: self.groups.get("embedding"))
+    tensor_model_parallel_rank = property(lambda self: self.group_ranks["tp"].index(self.rank))
+    pipeline_model_parallel_rank = property(lambda self: self.group_ranks["pp"].index(self.rank))
+    data_parallel_rank = property(lambda self: self.group_ranks["dp"].index(self.rank))
 
     def pipeline_rank_to_global(self, pp_rank: int) -> int:
         """Global rank of pipeline stage ``pp_rank`` in this rank's pipeline."""

@@ -12,18 +12,29 @@ from typing import Iterator
 import torch
 
 
-def _check_common(total_samples: int, micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int) -> None:
-    if total_samples <= 0:
-        raise ValueError(f"no sample to consume: total_samples={total_samples}")
-    if micro_batch_size <= 0:
-        raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
-    if data_parallel_size <= 0:
-        raise ValueError(f"data_parallel_size must be > 0, got {data_parallel_size}")
-    if not 0 <= data_parallel_rank < data_parallel_size:
-        raise ValueError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
+class _PretrainingSampler:
+    """What both samplers check and hold."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
+                 data_parallel_size: int) -> None:
+        if total_samples <= 0:
+            raise ValueError(f"no sample to consume: total_samples={total_samples}")
+        if micro_batch_size <= 0:
+            raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
+        if data_parallel_size <= 0:
+            raise ValueError(f"data_parallel_size must be > 0, got {data_parallel_size}")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
+        self.total_samples, self.consumed_samples = total_samples, consumed_samples
+        self.micro_batch_size, self.data_parallel_rank = micro_batch_size, data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
+
+    def __len__(self) -> int:
+        return self.total_samples
 
 
-class MegatronPretrainingSampler:
+class MegatronPretrainingSampler(_PretrainingSampler):
     """Sequential sampler: global batches of ``micro_batch_size * dp`` consecutive
     indices from ``consumed_samples`` on; rank r takes slice ``[r*mbs, (r+1)*mbs)``.
 
@@ -40,18 +51,10 @@ class MegatronPretrainingSampler:
         data_parallel_size: int,
         drop_last: bool = True,
     ) -> None:
-        _check_common(total_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+        super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
         if not 0 <= consumed_samples < total_samples:
             raise ValueError(f"no samples left to consume: consumed_samples={consumed_samples}, total_samples={total_samples}")
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.micro_batch_size = micro_batch_size
-        self.data_parallel_rank = data_parallel_rank
-        self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
         self.drop_last = drop_last
-
-    def __len__(self) -> int:
-        return self.total_samples
 
     def get_start_end_idx(self) -> tuple[int, int]:
         start = self.data_parallel_rank * self.micro_batch_size
@@ -72,7 +75,7 @@ class MegatronPretrainingSampler:
                 yield batch
 
 
-class MegatronPretrainingRandomSampler:
+class MegatronPretrainingRandomSampler(_PretrainingSampler):
     """Epoch-shuffled sampler (Megatron's ``--dataloader-type cyclic``).
 
     Each epoch covers ``total_samples`` rounded down to whole global batches,
@@ -94,18 +97,10 @@ class MegatronPretrainingRandomSampler:
         data_sharding: bool = True,
         seed: int = 0,
     ) -> None:
-        _check_common(total_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+        super().__init__(total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
         if consumed_samples < 0:
             raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
-        self.dataset = dataset
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.micro_batch_size = micro_batch_size
-        self.data_parallel_rank = data_parallel_rank
-        self.data_parallel_size = data_parallel_size
-        self.data_sharding = data_sharding
-        self.seed = seed
-        self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
+        self.dataset, self.data_sharding, self.seed = dataset, data_sharding, seed
         self.last_batch_size = total_samples % self.micro_batch_times_data_parallel_size
         if total_samples < self.micro_batch_times_data_parallel_size:
             raise ValueError(
@@ -117,9 +112,6 @@ class MegatronPretrainingRandomSampler:
                 f"consumed_samples={consumed_samples} is not a multiple of micro_batch_size x "
                 f"data_parallel_size = {self.micro_batch_times_data_parallel_size}"
             )
-
-    def __len__(self) -> int:
-        return self.total_samples
 
     def __iter__(self) -> Iterator[list[int]]:
         active_total_samples = self.total_samples - self.last_batch_size
