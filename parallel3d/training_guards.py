@@ -174,6 +174,7 @@ def errors_as_one_line() -> Iterator[None]:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         kind = "" if isinstance(e, (TrainingError, CommunicationError)) else f"{type(e).__name__}: "
         text = " ".join(str(e).split()) or "(no message)"
-        print(f"error: rank {rank}: {kind}{text} (PARALLEL3D_DEBUG=1 shows the traceback)", file=sys.stderr,
-              flush=True)
+        # One write: print() writes the text and its newline apart, and ranks sharing stderr interleave them.
+        sys.stderr.write(f"error: rank {rank}: {kind}{text} (PARALLEL3D_DEBUG=1 shows the traceback)\n")
+        sys.stderr.flush()
         sys.exit(130 if isinstance(e, KeyboardInterrupt) else 1)
