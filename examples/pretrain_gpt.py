@@ -244,7 +244,8 @@ def main(argv=None) -> dict:
     except (ArgumentError, ValueError, FileNotFoundError, ImportError, CheckpointError) as e:
         # Every rank checks the same input and exits with the same line, before any collective: each
         # rank's log says why it stopped (the project's rule for bad input).
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {e}\n")  # one write: two ranks' lines never run together
+        sys.stderr.flush()
         sys.exit(2)
 
     # Past this point a failure is one "error: rank N: ..." line per rank (PARALLEL3D_DEBUG=1: the traceback).
