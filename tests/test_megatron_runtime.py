@@ -113,7 +113,6 @@ def test_exit_duration_limit():
 
 def _logger_args(**extra):
     args = validate_args(parse_args(["--train-iters", "4", "--log-interval", "2"]), 1)
-    args.padded_vocab_size, args.ffn_hidden_size = 384, 512
     vars(args).update(extra)
     return args
 
