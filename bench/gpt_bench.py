@@ -39,7 +39,7 @@ import pretrain_gpt  # noqa: E402
 
 from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
-from parallel3d.arguments import parse_args, validate_args  # noqa: E402
+from parallel3d.training.arguments import parse_args, validate_args  # noqa: E402
 from parallel3d.distributed import get_megatron_optimizer  # noqa: E402
 from parallel3d.pipeline import build_schedule, simulate  # noqa: E402
 from parallel3d.pipeline.forward_backward import default_schedule_name  # noqa: E402
@@ -50,7 +50,7 @@ from parallel3d.training import (  # noqa: E402
     peak_tflops,
     train_step,
 )
-from parallel3d.training_config import TrainingConfig  # noqa: E402
+from parallel3d.training.training_config import TrainingConfig  # noqa: E402
 
 PRESETS = {  # the Megatron anchor's presets
     "tiny": ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",

@@ -28,11 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import fused, parallel_state  # noqa: E402
-from parallel3d.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
-from parallel3d.checkpoint_args import apply_checkpoint_args  # noqa: E402
-from parallel3d.checkpoint_integrity import CheckpointError  # noqa: E402
+from parallel3d.training.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
+from parallel3d.training.checkpoint_args import apply_checkpoint_args  # noqa: E402
+from parallel3d.training.checkpoint_integrity import CheckpointError  # noqa: E402
 from parallel3d.data.token_stats import check_tokens_fit_vocab  # noqa: E402
-from parallel3d.megatron_runtime import check_wandb_available  # noqa: E402
+from parallel3d.training.megatron_runtime import check_wandb_available  # noqa: E402
 from parallel3d.data import (  # noqa: E402
     IndexedDatasetBuilder,
     best_fitting_dtype,
@@ -45,8 +45,8 @@ from parallel3d.pipeline.layout import LayoutError, layer_counts  # noqa: E402
 from parallel3d.pipeline.schedules import placement_of  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
 from parallel3d.training import initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
-from parallel3d.training_config import TrainingConfig  # noqa: E402
-from parallel3d.training_guards import errors_as_one_line  # noqa: E402
+from parallel3d.training.training_config import TrainingConfig  # noqa: E402
+from parallel3d.training.training_guards import errors_as_one_line  # noqa: E402
 
 
 def print_once(message: str, file=sys.stdout) -> None:

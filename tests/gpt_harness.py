@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from parallel3d import parallel_state as ps
-from parallel3d.arguments import parse_args, validate_args
+from parallel3d.training.arguments import parse_args, validate_args
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed, split_tensor_for_rank
 from parallel3d.training import pretrain
 

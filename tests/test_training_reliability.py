@@ -18,10 +18,10 @@ from functools import partial
 import pytest
 import torch
 
-from parallel3d import checkpointing
-from parallel3d.arguments import parse_args, validate_args
+from parallel3d.training import checkpointing
+from parallel3d.training.arguments import parse_args, validate_args
 from parallel3d.training import pretrain
-from parallel3d.training_guards import StepGuard, TrainingError
+from parallel3d.training.training_guards import StepGuard, TrainingError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")

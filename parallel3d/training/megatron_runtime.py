@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from parallel3d import checkpointing
-from parallel3d.checkpoint_integrity import CheckpointError
+from parallel3d.training import checkpointing
+from parallel3d.training.checkpoint_integrity import CheckpointError
 from parallel3d.device import default_device
 
 _FLAG_OF = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",

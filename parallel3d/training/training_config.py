@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from parallel3d.distributed import DistributedDataParallelConfig, OptimizerConfig
-from parallel3d.megatron_args import current_global_batch_size, scheduler_steps
+from parallel3d.training.megatron_args import current_global_batch_size, scheduler_steps
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
     pretrain(config, model_provider, forward_step_func, datasets_provider, model_config=...)
 
-``config``: a :class:`~parallel3d.training_config.TrainingConfig` (or the validated arguments,
+``config``: a :class:`~parallel3d.training.training_config.TrainingConfig` (or the validated arguments,
 converted once);
 
 - ``model_provider(pre_process, post_process, vp_stage) -> nn.Module``: one model chunk;
@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from parallel3d import checkpointing, megatron_runtime, parallel_state, progress
+from parallel3d import parallel_state, progress
+from parallel3d.training import checkpointing, megatron_runtime
 from parallel3d.device import default_backend, default_device
 from parallel3d.distributed_timeout import CommunicationError, set_timeout, waiting_for
 from parallel3d.data import build_pretraining_data_loader
@@ -39,8 +40,8 @@ from parallel3d.distributed import DistributedDataParallel, OptimizerParamSchedu
 from parallel3d.pipeline import forward_backward
 from parallel3d.pipeline.schedules import placement_of, virtual_stage
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
-from parallel3d.training_config import TrainingConfig, as_training_config
-from parallel3d.training_guards import ExitSignalHandler, StepGuard
+from parallel3d.training.training_config import TrainingConfig, as_training_config
+from parallel3d.training.training_guards import ExitSignalHandler, StepGuard
 
 # Dense bf16 peak per GPU, for MFU when --peak-tflops is not given (vendor datasheets), keyed by
 # torch.cuda.get_device_name() exactly: "A10" must not match an A10G, nor an H100 PCIe the SXM part.
