@@ -39,20 +39,18 @@ import pretrain_gpt  # noqa: E402
 
 from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
-from parallel3d.arguments import parse_args, validate_args  # noqa: E402
+from parallel3d.training.arguments import parse_args, validate_args  # noqa: E402
 from parallel3d.distributed import get_megatron_optimizer  # noqa: E402
 from parallel3d.pipeline import build_schedule, simulate  # noqa: E402
 from parallel3d.pipeline.forward_backward import default_schedule_name  # noqa: E402
-from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
 from parallel3d.training import (  # noqa: E402
     get_model,
     get_optimizer_param_scheduler,
     initialize_distributed,
-    num_floating_point_operations,
-    optimizer_config_from_args,
     peak_tflops,
     train_step,
 )
+from parallel3d.training.training_config import TrainingConfig  # noqa: E402
 
 PRESETS = {  # the Megatron anchor's presets
     "tiny": ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",
@@ -90,8 +88,6 @@ def bench_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
       + (["--virtual-pipeline-model-parallel-size", str(bench.vpp)] if bench.vpp else []) + rest
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), world)
-    args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args.make_vocab_size_divisible_by,
-                                                     args.tensor_model_parallel_size)
     return bench, args
 
 
@@ -133,14 +129,14 @@ def nccl_overlap(prof) -> dict:
 
 def main(argv=None) -> None:
     bench, args = bench_args(argv)
-    initialize_distributed(args)
+    training_config = TrainingConfig.from_args(args)
+    initialize_distributed(training_config)
     fused_kernels = fused.describe()
     config = pretrain_gpt.transformer_config_from_args(args)
-    args.ffn_hidden_size = config.ffn_hidden_size
-    partition = pretrain_gpt.layer_partition(args)
-    model = get_model(partial(pretrain_gpt.model_provider, config, partition), args)
-    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
-    scheduler = get_optimizer_param_scheduler(optimizer, args)
+    partition = pretrain_gpt.layer_partition(args, config)
+    model = get_model(partial(pretrain_gpt.model_provider, config, partition), training_config)
+    optimizer = get_megatron_optimizer(training_config.optimizer, model)
+    scheduler = get_optimizer_param_scheduler(optimizer, training_config)
     iterators = [synthetic_iterator(args) for _ in model]
     forward_step = partial(pretrain_gpt.forward_step, False)
 
@@ -148,14 +144,14 @@ def main(argv=None) -> None:
     for i in range(bench.warmup + bench.iters):
         sync()
         t0 = time.perf_counter()
-        train_step(forward_step, iterators, model, optimizer, scheduler, args, schedule=bench.schedule)
+        train_step(forward_step, iterators, model, optimizer, scheduler, training_config, schedule=bench.schedule)
         sync()
         if i >= bench.warmup:
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
     world = args.world_size
     tokens = args.global_batch_size * args.seq_length
-    tflops = num_floating_point_operations(args, args.global_batch_size) / step / world / 1e12
+    tflops = config.num_floating_point_operations(args.global_batch_size) / step / world / 1e12
     peak = peak_tflops(args)
     result = {
         "framework": "parallel3d", "fused_kernels": fused_kernels, "preset": bench.preset,
@@ -177,7 +173,7 @@ def main(argv=None) -> None:
         stats: list = []
         sync()
         t0 = time.perf_counter()
-        train_step(forward_step, iterators, model, optimizer, scheduler, args, stats=stats,
+        train_step(forward_step, iterators, model, optimizer, scheduler, training_config, stats=stats,
                    schedule=bench.schedule)
         sync()
         timed_step = time.perf_counter() - t0
@@ -220,7 +216,7 @@ def main(argv=None) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            train_step(forward_step, iterators, model, optimizer, scheduler, args, schedule=bench.schedule)
+            train_step(forward_step, iterators, model, optimizer, scheduler, training_config, schedule=bench.schedule)
             sync()
         result.update(nccl_overlap(prof))
 

@@ -19,6 +19,7 @@ import hashlib
 import os
 import sys
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,11 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import fused, parallel_state  # noqa: E402
-from parallel3d.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
-from parallel3d.checkpoint_args import apply_checkpoint_args  # noqa: E402
-from parallel3d.checkpoint_integrity import CheckpointError  # noqa: E402
+from parallel3d.training.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
+from parallel3d.training.checkpoint_args import apply_checkpoint_args  # noqa: E402
+from parallel3d.training.checkpoint_integrity import CheckpointError  # noqa: E402
 from parallel3d.data.token_stats import check_tokens_fit_vocab  # noqa: E402
-from parallel3d.megatron_runtime import check_wandb_available  # noqa: E402
+from parallel3d.training.megatron_runtime import check_wandb_available  # noqa: E402
 from parallel3d.data import (  # noqa: E402
     IndexedDatasetBuilder,
     best_fitting_dtype,
@@ -42,10 +43,10 @@ from parallel3d.models.generation import generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.pipeline.layout import LayoutError, layer_counts  # noqa: E402
 from parallel3d.pipeline.schedules import placement_of  # noqa: E402
-from parallel3d.tensor_parallel import vocab_size_with_padding  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
 from parallel3d.training import initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
-from parallel3d.training_guards import errors_as_one_line  # noqa: E402
+from parallel3d.training.training_config import TrainingConfig  # noqa: E402
+from parallel3d.training.training_guards import errors_as_one_line  # noqa: E402
 
 
 def print_once(message: str, file=sys.stdout) -> None:
@@ -139,14 +140,17 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     )
 
 
-def layer_partition(args: argparse.Namespace) -> list[list[range]]:
-    """result[pp_rank][chunk]: the global layers of each (virtual) pipeline stage."""
+def layer_partition(args: argparse.Namespace, config: Optional[TransformerConfig] = None) -> list[list[range]]:
+    """result[pp_rank][chunk]: the global layers of each (virtual) pipeline stage.
+
+    ``config``: the model's, whose padded vocabulary weighs the output layer in the balanced split
+    (without it: --vocab-size)."""
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     placement = placement_of(getattr(args, "pipeline_schedule", None))
     if first is None and last is None:
         try:  # a layout string, the account-for flags, or the FLOPs-balanced default
-            counts = layer_counts(args, pp * vp)
+            counts = layer_counts(args, pp * vp, config.padded_vocab_size if config is not None else None)
         except LayoutError as e:
             raise ArgumentError(str(e)) from None
         return partition_layers(args.num_layers, pp, vp, layers_per_stage=counts, allow_empty_stages=counts is not None,
@@ -234,11 +238,9 @@ def main(argv=None) -> dict:
         if args.vocab_size < tokenizer.vocab_size:
             raise ArgumentError(f"--vocab-size ({args.vocab_size}) is smaller than the tokenizer's "
                                 f"({tokenizer.vocab_size})")
-        args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args.make_vocab_size_divisible_by,
-                                                         args.tensor_model_parallel_size)
         config = transformer_config_from_args(args)  # validates heads, groups, dims against TP
-        args.ffn_hidden_size = config.ffn_hidden_size
-        partition = layer_partition(args)
+        training_config = TrainingConfig.from_args(args)
+        partition = layer_partition(args, config)
         if args.data_path:
             check_data_fits_vocab(args.data_path, args.vocab_size, f"--tokenizer-type {args.tokenizer_type}")
     except (ArgumentError, ValueError, FileNotFoundError, ImportError, CheckpointError) as e:
@@ -250,11 +252,12 @@ def main(argv=None) -> dict:
 
     # Past this point a failure is one "error: rank N: ..." line per rank (PARALLEL3D_DEBUG=1: the traceback).
     with errors_as_one_line():
-        return _train(args, tokenizer, config, partition)
+        return _train(args, training_config, tokenizer, config, partition)
 
 
-def _train(args: argparse.Namespace, tokenizer, config: TransformerConfig, partition: list[list[range]]) -> dict:
-    initialize_distributed(args)
+def _train(args: argparse.Namespace, training_config: TrainingConfig, tokenizer, config: TransformerConfig,
+           partition: list[list[range]]) -> dict:
+    initialize_distributed(training_config)
     if not args.data_path:
         files = [args.tokenizer_model] if args.tokenizer_model else [args.vocab_file, args.merge_file]
         tok_id = "byte" if args.tokenizer_type == "byte" else "hf" + hashlib.sha1(
@@ -270,7 +273,7 @@ def _train(args: argparse.Namespace, tokenizer, config: TransformerConfig, parti
         return build_train_valid_test_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,
                                                eod_token=tokenizer.eod, eod_mask_loss=args.eod_mask_loss)
 
-    result = pretrain(args, partial(model_provider, config, partition),
+    result = pretrain(training_config, partial(model_provider, config, partition),
                       partial(forward_step, args.calculate_per_token_loss), datasets_provider,
                       model_config=config, layer_numbers=[[list(r) for r in chunks] for chunks in partition])
     if args.sample_prompt and not result["exit_signal"]:

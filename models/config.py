@@ -295,6 +295,16 @@ class TransformerConfig:
         return [f"{k}: checkpoint {saved[k]!r} vs this run {getattr(self, k)!r}" for k in _ARCHITECTURE
                 if k in saved and saved[k] != getattr(self, k)]
 
+    def num_floating_point_operations(self, batch_size: int) -> float:
+        """Model FLOPs of one iteration of ``batch_size`` sequences (parallel3d.planning's formula, the one
+        copy of Megatron's; causal attention counted as half)."""
+        from parallel3d.planning.model import num_floating_point_operations
+        return num_floating_point_operations(
+            batch_size=batch_size, seq_length=self.seq_length, num_layers=self.num_layers,
+            hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads, kv_channels=self.kv_channels,
+            num_query_groups=self.num_query_groups, ffn_hidden_size=self.ffn_hidden_size, swiglu=self.swiglu,
+            padded_vocab_size=self.padded_vocab_size)
+
     @property
     def rotary_dim(self) -> int:
         return int(self.kv_channels * self.rotary_percent)

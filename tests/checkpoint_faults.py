@@ -6,7 +6,7 @@ import os
 import torch
 from torch import nn
 
-from parallel3d import checkpointing
+from parallel3d.training import checkpointing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK = "mp_rank_00_000"

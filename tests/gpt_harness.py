@@ -15,8 +15,8 @@ from functools import partial
 import torch
 
 from parallel3d import parallel_state as ps
-from parallel3d.arguments import parse_args, validate_args
-from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed, split_tensor_for_rank, vocab_size_with_padding
+from parallel3d.training.arguments import parse_args, validate_args
+from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed, split_tensor_for_rank
 from parallel3d.training import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,15 +58,12 @@ def layout_args(family, tp=1, pp=1, vp=None, sp=False, extra=(), world=1, iters=
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
     ] + (["--virtual-pipeline-model-parallel-size", str(vp)] if vp and vp > 1 else []) \
       + (["--sequence-parallel"] if sp else []) + list(extra)
-    args = validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), world)
-    args.padded_vocab_size = vocab_size_with_padding(VOCAB, args.make_vocab_size_divisible_by, tp)
-    return args
+    return validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), world)
 
 
 def train(args, dataset_size=GBS * ITERS * 2):
     config = pretrain_gpt.transformer_config_from_args(args)
-    args.ffn_hidden_size = config.ffn_hidden_size
-    partition = pretrain_gpt.layer_partition(args)
+    partition = pretrain_gpt.layer_partition(args, config)
     seed = args.seed + 100 * ps.resolve_parallel_state().pipeline_model_parallel_rank
     torch.manual_seed(seed)  # what training.initialize_distributed seeds
     model_parallel_cuda_manual_seed(seed)

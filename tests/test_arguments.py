@@ -1,6 +1,6 @@
 """Bad command-line values are refused by validate_args, before any process group, with one line naming the flag.
 
-Every numeric flag of parallel3d/arguments.py is swept for zero/negative/out-of-range values
+Every numeric flag of parallel3d/training/arguments.py is swept for zero/negative/out-of-range values
 that would otherwise crash later (ZeroDivisionError, a traceback per rank after init) or
 misbehave silently (save every iteration, stop after iteration 1).
 """
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from parallel3d.arguments import ArgumentError, parse_args, validate_args
+from parallel3d.training.arguments import ArgumentError, parse_args, validate_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")

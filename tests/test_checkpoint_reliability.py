@@ -14,10 +14,10 @@ import warnings
 import pytest
 import torch
 
-from parallel3d import checkpoint_integrity, checkpointing
+from parallel3d.training import checkpoint_integrity, checkpointing
 from parallel3d import parallel_state as ps
-from parallel3d.checkpointing import CheckpointError, CheckpointWarning
-from parallel3d.safetensors_stream import StreamingSafetensorsWriter
+from parallel3d.training.checkpointing import CheckpointError, CheckpointWarning
+from parallel3d.training.safetensors_stream import StreamingSafetensorsWriter
 from parallel3d.testing import run_distributed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -12,9 +12,9 @@ import warnings
 import pytest
 import torch
 
-from parallel3d import checkpoint_integrity, checkpointing
-from parallel3d.checkpointing import CheckpointError, CheckpointWarning
-from parallel3d.safetensors_stream import StreamingSafetensorsWriter
+from parallel3d.training import checkpoint_integrity, checkpointing
+from parallel3d.training.checkpointing import CheckpointError, CheckpointWarning
+from parallel3d.training.safetensors_stream import StreamingSafetensorsWriter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_faults import (  # noqa: E402
@@ -196,7 +196,7 @@ def test_pretrain_checks_the_save_dir_before_building_anything(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import pretrain_gpt
 
-    from parallel3d.arguments import parse_args, validate_args
+    from parallel3d.training.arguments import parse_args, validate_args
     from parallel3d.training import pretrain
 
     blocker = tmp_path / "a_file"

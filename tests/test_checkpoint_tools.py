@@ -25,7 +25,7 @@ from parallel3d.models import GPTModel
 from parallel3d.models.config import gpt2_config, llama_config
 from parallel3d.models.gpt import InferenceParams
 from parallel3d import parallel_state as ps
-from parallel3d.checkpointing import LATEST_FILE, model_state_for_save
+from parallel3d.training.checkpointing import LATEST_FILE, model_state_for_save
 from parallel3d.models.generation import check_generation_args, generate, sample_token
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.testing import run_distributed

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from parallel3d.arguments import ArgumentError, parse_args, validate_args
+from parallel3d.training.arguments import ArgumentError, parse_args, validate_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from gpt_harness import FAMILIES, ROOT, full_weights, layout_args, pretrain_gpt, shards_against, train
-from parallel3d import checkpointing
+from parallel3d.training import checkpointing
 from parallel3d import parallel_state as ps
 from parallel3d.testing import run_distributed
 

@@ -61,7 +61,7 @@ def test_account_for_embedding_and_loss():
 
 def test_pretrain_script_partition_from_the_flags():
     from gpt_harness import layout_args, pretrain_gpt
-    from parallel3d.arguments import ArgumentError
+    from parallel3d.training.arguments import ArgumentError
 
     args = layout_args("gpt2", pp=4, extra=["--pipeline-model-parallel-layout", "Ettt|tt|tt|tL"], world=4)
     assert [len(r[0]) for r in pretrain_gpt.layer_partition(args)] == [3, 2, 2, 1]

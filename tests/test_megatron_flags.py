@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from parallel3d.arguments import ArgumentError, build_parser, parse_args, validate_args
+from parallel3d.training.arguments import ArgumentError, build_parser, parse_args, validate_args
 from parallel3d.data import IndexedDatasetBuilder, build_tokenizer
 from parallel3d.data.token_stats import check_tokens_fit_vocab, max_token_id, stats_path
-from parallel3d.megatron_args import ALREADY_SO, REFUSED, scheduler_steps, update_num_microbatches
+from parallel3d.training.megatron_args import ALREADY_SO, REFUSED, scheduler_steps, update_num_microbatches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16"]

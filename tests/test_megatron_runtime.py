@@ -13,9 +13,10 @@ import warnings
 import pytest
 import torch
 
-from parallel3d import megatron_runtime, progress
-from parallel3d.arguments import parse_args, validate_args
-from parallel3d.checkpoint_args import apply_checkpoint_args
+from parallel3d import progress
+from parallel3d.training import megatron_runtime
+from parallel3d.training.arguments import parse_args, validate_args
+from parallel3d.training.checkpoint_args import apply_checkpoint_args
 from parallel3d.distributed import OptimizerParamScheduler
 from parallel3d.testing import run_distributed
 from parallel3d.tools import plot_log
@@ -113,7 +114,6 @@ def test_exit_duration_limit():
 
 def _logger_args(**extra):
     args = validate_args(parse_args(["--train-iters", "4", "--log-interval", "2"]), 1)
-    args.padded_vocab_size, args.ffn_hidden_size = 384, 512
     vars(args).update(extra)
     return args
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from gpt_harness import layout_args, train
+from gpt_harness import layout_args, pretrain_gpt, train
 from parallel3d.planning import GemmCurve, Layout, ModelSpec, estimate, get_cluster, load_cluster
 from parallel3d.planning.hardware import cluster_from_dict
 from parallel3d.planning.memory import static_bytes
@@ -50,7 +50,7 @@ def _allocated(result):
 def test_static_memory_matches_the_real_optimizers(family, extra):
     args = layout_args(family, extra=extra, iters=2)
     result = train(args)  # two Adam steps: every state tensor exists
-    model = ModelSpec.from_args(args)
+    model = ModelSpec.from_args(args, ffn_hidden_size=pretrain_gpt.transformer_config_from_args(args).ffn_hidden_size)
     assert model.total_params() == sum(p.numel() for p in result["model"][0].module.parameters())
     zero = "--use-distributed-optimizer" in extra
     layout = Layout(use_distributed_optimizer=zero, bf16="--bf16" in extra, global_batch_size=args.global_batch_size)

@@ -18,11 +18,10 @@ from functools import partial
 import pytest
 import torch
 
-from parallel3d import checkpointing
-from parallel3d.arguments import parse_args, validate_args
-from parallel3d.tensor_parallel import vocab_size_with_padding
+from parallel3d.training import checkpointing
+from parallel3d.training.arguments import parse_args, validate_args
 from parallel3d.training import pretrain
-from parallel3d.training_guards import StepGuard, TrainingError
+from parallel3d.training.training_guards import StepGuard, TrainingError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
@@ -65,10 +64,8 @@ def _nan_at(calls: set, data_iterator, model):
 def _train(argv, nan_calls=()):
     args = validate_args(parse_args(TINY + ["--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "8"]
                                     + argv, extra_args_provider=pretrain_gpt.add_example_args), 1)
-    args.padded_vocab_size = vocab_size_with_padding(VOCAB, 8, 1)
     config = pretrain_gpt.transformer_config_from_args(args)
-    args.ffn_hidden_size = config.ffn_hidden_size
-    partition = pretrain_gpt.layer_partition(args)
+    partition = pretrain_gpt.layer_partition(args, config)
     _nan_at.count = 0
     out = io.StringIO()
     try:

@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from parallel3d.progress import make_bar  # noqa: E402
 
 from parallel3d.models.config import TransformerConfig  # noqa: E402
-from parallel3d.checkpointing import LATEST_FILE, _fsync_dir  # noqa: E402
+from parallel3d.training.checkpointing import LATEST_FILE, _fsync_dir  # noqa: E402
 from parallel3d.tools.checkpoint.hf import HfLoader, HfSaver  # noqa: E402
 from parallel3d.tools.checkpoint.parallel3d_format import Parallel3dLoader, Parallel3dSaver  # noqa: E402
 from parallel3d.tools.checkpoint.schema import ConversionError, check_unit, embedding_specs, head_specs, layer_specs  # noqa: E402

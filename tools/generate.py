@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import parallel_state  # noqa: E402
 from parallel3d.device import default_backend, default_device  # noqa: E402
-from parallel3d.checkpointing import (  # noqa: E402
+from parallel3d.training.checkpointing import (  # noqa: E402
     CheckpointError,
     check_compatible,
     find_checkpoint_dir,
@@ -47,7 +47,7 @@ from parallel3d.data import build_tokenizer  # noqa: E402
 from parallel3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
 from parallel3d.models.generation import check_generation_args, generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
-from parallel3d.training_guards import errors_as_one_line  # noqa: E402
+from parallel3d.training.training_guards import errors_as_one_line  # noqa: E402
 from parallel3d.tools.checkpoint.parallel3d_format import config_from_metadata  # noqa: E402
 from parallel3d.tools.checkpoint.schema import ConversionError  # noqa: E402
 

@@ -24,7 +24,7 @@ if __package__ in (None, ""):
     # run as a script: make the repo importable without installing it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallel3d.checkpointing import CheckpointError, verify_checkpoint  # noqa: E402
+from parallel3d.training.checkpointing import CheckpointError, verify_checkpoint  # noqa: E402
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

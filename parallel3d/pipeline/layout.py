@@ -82,8 +82,11 @@ def head_cost_in_layers(hidden_size: int, seq_length: int, padded_vocab_size: in
     return 6 * h * V / (72 * h * h + 12 * s * h)
 
 
-def layer_counts(args: Any, num_stages: int) -> Optional[list[int]]:
-    """Layers per virtual stage from the arguments (see the module doc); None = an even split."""
+def layer_counts(args: Any, num_stages: int, padded_vocab_size: Optional[int] = None) -> Optional[list[int]]:
+    """Layers per virtual stage from the arguments (see the module doc); None = an even split.
+
+    ``padded_vocab_size``: the output layer's vocabulary (the model config's), for the balanced split's
+    head cost; default ``args.padded_vocab_size``, else ``args.vocab_size``."""
     L = args.num_layers
     layout = getattr(args, "pipeline_model_parallel_layout", None)
     if layout:
@@ -100,8 +103,8 @@ def layer_counts(args: Any, num_stages: int) -> Optional[list[int]]:
         return stage_counts(counts, L, "--account-for-embedding/loss-in-pipeline-split")
     if getattr(args, "pipeline_split", "balanced") == "even" or num_stages == 1:
         return None
-    head = head_cost_in_layers(args.hidden_size, args.seq_length, getattr(args, "padded_vocab_size", None)
-                               or args.vocab_size)
+    head = head_cost_in_layers(args.hidden_size, args.seq_length, padded_vocab_size
+                               or getattr(args, "padded_vocab_size", None) or args.vocab_size)
     if L < num_stages:
         return None  # not enough layers to balance: the even split's error says so
     return _balanced_counts([1.0] * L, num_stages, 0.0, head, allow_empty=False)

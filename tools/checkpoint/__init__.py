@@ -13,6 +13,6 @@ disk, so no more than one unit is held in memory at a time.
 
 Modules: ``schema`` (what each unit holds for a TransformerConfig), ``hf`` (Hugging Face
 GPT-2 / LLaMA), ``parallel3d_format`` (our sharded checkpoints); files are written by
-``parallel3d.safetensors_stream`` (a safetensors file written tensor by tensor), which
+``parallel3d.training.safetensors_stream`` (a safetensors file written tensor by tensor), which
 ``save_checkpoint`` shares.
 """

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from parallel3d.models.config import TransformerConfig
-from parallel3d.safetensors_stream import StreamingSafetensorsWriter
+from parallel3d.training.safetensors_stream import StreamingSafetensorsWriter
 
 from .hf_files import SAFETENSORS_FILE, TensorFiles, confined_path
 from .schema import ConversionError

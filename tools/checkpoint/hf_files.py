@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from safetensors import safe_open
 
-from parallel3d.checkpoint_integrity import CheckpointError, load_torch_file
+from parallel3d.training.checkpoint_integrity import CheckpointError, load_torch_file
 
 from .schema import ConversionError
 

@@ -1,4 +1,4 @@
-"""parallel3d checkpoints (``parallel3d/checkpointing.py``'s format) as a converter source and target.
+"""parallel3d checkpoints (``parallel3d/training/checkpointing.py``'s format) as a converter source and target.
 
 Loader: reads the layout and model config from ``metadata.json``, finds which layers each
 (pipeline rank, chunk) holds from the shard files themselves (so uneven splits work), and
@@ -27,8 +27,8 @@ import torch
 from safetensors import safe_open
 
 from parallel3d.models.config import TransformerConfig
-from parallel3d.checkpoint_integrity import FILES_KEY, check_file
-from parallel3d.checkpointing import (
+from parallel3d.training.checkpoint_integrity import FILES_KEY, check_file
+from parallel3d.training.checkpointing import (
     FORMAT_VERSION,
     LATEST_FILE,
     METADATA_FILE,
@@ -44,7 +44,7 @@ from parallel3d.checkpointing import (
 )
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.schedules import virtual_stage
-from parallel3d.safetensors_stream import StreamingSafetensorsWriter
+from parallel3d.training.safetensors_stream import StreamingSafetensorsWriter
 
 from .schema import ConversionError, ParamSpec, embedding_specs, head_specs, layer_specs, merge, shard
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from parallel3d import checkpointing
-from parallel3d.checkpoint_integrity import CheckpointError
+from parallel3d.training import checkpointing
+from parallel3d.training.checkpoint_integrity import CheckpointError
 from parallel3d.device import default_device
 
 _FLAG_OF = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
@@ -43,7 +43,7 @@ class CheckedScheduler:
     naming each differing flag in the run's own units (iterations, or samples with --train-samples).
     """
 
-    def __init__(self, scheduler: Any, args: argparse.Namespace) -> None:
+    def __init__(self, scheduler: Any, args: Any) -> None:  # training_config.LRScheduleConfig, or the arguments
         self.scheduler, self.args = scheduler, args
 
     def differences(self, saved: dict[str, Any]) -> list[str]:
@@ -85,41 +85,46 @@ def _saved_args(load_dir: str, iteration: int) -> dict[str, Any]:
     return meta.get("args") or {}
 
 
-def load_for_training(args: argparse.Namespace, model: Sequence[torch.nn.Module], optimizer: Any, scheduler: Any,
+def load_for_training(config: Any, model: Sequence[torch.nn.Module], optimizer: Any, scheduler: Any,
                       model_config: Any, say: Callable[[str], None]) -> tuple[int, int, int]:
-    """Megatron's load step of ``pretrain``: (iteration, consumed train samples, consumed valid samples)."""
-    if not args.load:
+    """Megatron's load step of ``pretrain``: (iteration, consumed train samples, consumed valid samples).
+
+    ``config``: the run's training_config.TrainingConfig."""
+    ckpt = config.checkpoint
+    if not ckpt.load:
         return 0, 0, 0
-    exists = os.path.isdir(args.load)
-    latest = checkpointing.read_latest_iteration(args.load) if exists else None
+    exists = os.path.isdir(ckpt.load)
+    latest = checkpointing.read_latest_iteration(ckpt.load) if exists else None
     if latest is None:
-        where = f"--load {args.load} " + ("holds no checkpoint" if exists else "does not exist yet")
-        if args.exit_on_missing_checkpoint:
+        where = f"--load {ckpt.load} " + ("holds no checkpoint" if exists else "does not exist yet")
+        if ckpt.exit_on_missing_checkpoint:
             raise CheckpointError(f"{where} (--exit-on-missing-checkpoint)")
         say(f"notice: {where}: starting from scratch")
         return 0, 0, 0
-    load_optim = not (args.no_load_optim or args.finetune)
-    load_rng = not (args.no_load_rng or args.finetune)
-    saved = _saved_args(args.load, latest)
+    load_optim = not (ckpt.no_load_optim or ckpt.finetune)
+    load_rng = not (ckpt.no_load_rng or ckpt.finetune)
+    saved = _saved_args(ckpt.load, latest)
     for what, skipped, flag in (("optimizer", load_optim and saved.get("no_save_optim"), "--no-load-optim"),
                                 ("RNG", load_rng and saved.get("no_save_rng"), "--no-load-rng")):
         if skipped:
-            raise CheckpointError(f"{args.load} (iteration {latest}) was saved without {what} state "
+            raise CheckpointError(f"{ckpt.load} (iteration {latest}) was saved without {what} state "
                                   f"(--no-save-{'optim' if what == 'optimizer' else 'rng'}): resume with {flag}, "
                                   "or with --finetune")
     iteration, meta = checkpointing.load_checkpoint(
-        args.load, model, optimizer if load_optim else None, CheckedScheduler(scheduler, args) if load_optim else None,
+        ckpt.load, model, optimizer if load_optim else None,
+        CheckedScheduler(scheduler, config.lr_schedule) if load_optim else None,
         model_config=model_config, load_optimizer=load_optim, load_rng=load_rng)
-    if args.finetune:
-        say(f"--finetune: loaded the weights of {args.load} (iteration {iteration}); training starts at iteration 0 "
+    if ckpt.finetune:
+        say(f"--finetune: loaded the weights of {ckpt.load} (iteration {iteration}); training starts at iteration 0 "
             "with a fresh optimizer, LR schedule and data order")
         return 0, 0, 0
     extra = meta.get("extra", {})
-    consumed_train = extra.get("consumed_train_samples", iteration * args.target_global_batch_size)
+    consumed_train = extra.get("consumed_train_samples", iteration * config.layout.target_global_batch_size)
     consumed_valid = extra.get("consumed_valid_samples", 0)
-    say(f"loaded {args.load} at iteration {iteration} ({consumed_train} samples consumed)")
-    if iteration >= args.train_iters:
-        say(f"notice: the checkpoint is at iteration {iteration} >= --train-iters {args.train_iters}: nothing to "
+    say(f"loaded {ckpt.load} at iteration {iteration} ({consumed_train} samples consumed)")
+    train_iters = config.loop.train_iters
+    if iteration >= train_iters:
+        say(f"notice: the checkpoint is at iteration {iteration} >= --train-iters {train_iters}: nothing to "
             "train. Raise --train-iters to continue, or add --finetune to train these weights from iteration 0")
     return iteration, consumed_train, consumed_valid
 
@@ -160,13 +165,15 @@ _WANDB_MISSING = ("--wandb-project needs the wandb package: pip install wandb (o
 class WandbSink:
     """--wandb-project: every --log-json record goes to a wandb run too."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, logging: Any, run_args: dict[str, Any]) -> None:
+        """``logging``: training_config.LoggingConfig (or the arguments); ``run_args``: every argument, the
+        run's config in wandb."""
         try:
             import wandb
         except ImportError:
             raise ImportError(_WANDB_MISSING) from None
-        self.run = wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir,
-                              config={k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))})
+        self.run = wandb.init(project=logging.wandb_project, name=logging.wandb_exp_name, dir=logging.wandb_save_dir,
+                              config={k: v for k, v in run_args.items() if isinstance(v, (int, float, str, bool))})
 
     def log(self, record: dict[str, Any]) -> None:
         prefix = "eval/" if record.get("type") == "eval" else "train/"

@@ -1,6 +1,9 @@
 """The training loop (Megatron's ``pretrain``), for any TP x PP (x virtual) x DP layout.
 
-    pretrain(args, model_provider, forward_step_func, datasets_provider)
+    pretrain(config, model_provider, forward_step_func, datasets_provider, model_config=...)
+
+``config``: a :class:`~parallel3d.training.training_config.TrainingConfig` (or the validated arguments,
+converted once);
 
 - ``model_provider(pre_process, post_process, vp_stage) -> nn.Module``: one model chunk;
 - ``forward_step_func(data_iterator, model) -> (output, loss_func)``: Megatron's contract;
@@ -27,23 +30,18 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from parallel3d import checkpointing, megatron_runtime, parallel_state, progress
+from parallel3d import parallel_state, progress
+from parallel3d.training import checkpointing, megatron_runtime
 from parallel3d.device import default_backend, default_device
 from parallel3d.distributed_timeout import CommunicationError, set_timeout, waiting_for
 from parallel3d.data import build_pretraining_data_loader
-from parallel3d.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    OptimizerConfig,
-    OptimizerParamScheduler,
-    finalize_model_grads,
-    get_megatron_optimizer,
-)
-from parallel3d.megatron_args import scheduler_steps, update_num_microbatches
+from parallel3d.distributed import DistributedDataParallel, OptimizerParamScheduler, finalize_model_grads, \
+    get_megatron_optimizer
 from parallel3d.pipeline import forward_backward
 from parallel3d.pipeline.schedules import placement_of, virtual_stage
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
-from parallel3d.training_guards import ExitSignalHandler, StepGuard
+from parallel3d.training.training_config import TrainingConfig, as_training_config
+from parallel3d.training.training_guards import ExitSignalHandler, StepGuard
 
 # Dense bf16 peak per GPU, for MFU when --peak-tflops is not given (vendor datasheets), keyed by
 # torch.cuda.get_device_name() exactly: "A10" must not match an A10G, nor an H100 PCIe the SXM part.
@@ -61,79 +59,60 @@ def is_last_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
 
 
-def params_dtype(args: argparse.Namespace) -> torch.dtype:
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-
-
 # --------------------------------------------------------------------------------------- setup
 
 
-def initialize_distributed(args: argparse.Namespace) -> None:
+def initialize_distributed(config: TrainingConfig | argparse.Namespace) -> None:
     """Process group (nccl with GPUs, gloo without), model-parallel groups, seeds."""
-    backend = args.distributed_backend or default_backend()
+    config = as_training_config(config)
+    loop, layout = config.loop, config.layout
+    backend = loop.distributed_backend or default_backend()
     if megatron_runtime.single_process_env():
         print_rank_0("no launcher (torchrun) environment: running as a single process")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # Megatron's --distributed-timeout-minutes: gloo's 30 min default would stall every rank that long.
-    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    timeout = datetime.timedelta(minutes=loop.distributed_timeout_minutes)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
     set_timeout(timeout)
     parallel_state.initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        args.virtual_pipeline_model_parallel_size, timeout=timeout,
+        layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+        layout.virtual_pipeline_model_parallel_size, timeout=timeout,
     )
     # Megatron's _set_random_seed: one seed per pipeline stage for the CPU generator (weights are
     # initialised there) and the device's, TP streams inside the tracker.
-    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    seed = loop.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
 
-def get_model(model_provider: Callable[..., torch.nn.Module], args: argparse.Namespace
+def get_model(model_provider: Callable[..., torch.nn.Module], config: TrainingConfig
               ) -> list[DistributedDataParallel]:
     """Build this rank's model chunks (one per virtual stage) and wrap each in DDP."""
     state = parallel_state.resolve_parallel_state()
     chunks = []
-    P, V = state.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
-    placement = placement_of(getattr(args, "pipeline_schedule", None))  # ZB-V / DualPipeV: a V
+    P, V = state.pipeline_model_parallel_size, config.layout.virtual_pipeline_model_parallel_size or 1
+    placement = placement_of(config.layout.pipeline_schedule)  # ZB-V / DualPipeV: a V
     for c in range(V):
         v = virtual_stage(state.pipeline_model_parallel_rank, c, P, placement)
         pre, post = v == 0, v == P * V - 1
         chunks.append(model_provider(pre_process=pre, post_process=post, vp_stage=c))
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.bf16 or args.fp16,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        **({"bucket_size": args.ddp_bucket_size} if args.ddp_bucket_size else {}),
-    )
-    wrapped = [DistributedDataParallel(chunk.to(default_device()), ddp_config) for chunk in chunks]
+    wrapped = [DistributedDataParallel(chunk.to(default_device()), config.ddp) for chunk in chunks]
     for w in wrapped:
         w.broadcast_params()
     return wrapped
 
 
-def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
-    return OptimizerConfig(
-        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-        params_dtype=params_dtype(args), loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
-    )
-
-
-def get_optimizer_param_scheduler(optimizer: Any, args: argparse.Namespace) -> OptimizerParamScheduler:
+def get_optimizer_param_scheduler(optimizer: Any, config: TrainingConfig) -> OptimizerParamScheduler:
     """Megatron counts the schedule in samples: one step advances it by the global batch."""
-    steps = scheduler_steps(args)  # iterations x global batch, or --train-samples' own sample counts
+    lr = config.lr_schedule  # its lengths: iterations x global batch, or --train-samples' own sample counts
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if steps["lr_warmup_steps"] else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_style="constant", lr_wsd_decay_style=args.lr_wsd_decay_style if args.lr_decay_style == "WSD" else None,
-        **steps,
+        optimizer, init_lr=0.0 if lr.lr_warmup_steps else lr.lr, max_lr=lr.lr, min_lr=lr.min_lr,
+        lr_decay_style=lr.lr_decay_style, start_wd=lr.weight_decay, end_wd=lr.weight_decay,
+        wd_incr_style="constant", lr_wsd_decay_style=lr.lr_wsd_decay_style if lr.lr_decay_style == "WSD" else None,
+        lr_warmup_steps=lr.lr_warmup_steps, lr_decay_steps=lr.lr_decay_steps, wd_incr_steps=lr.wd_incr_steps,
+        wsd_decay_steps=lr.wsd_decay_steps,
     )
 
 
@@ -151,20 +130,20 @@ def _cyclic(loader: Optional[torch.utils.data.DataLoader]) -> Optional[Iterator]
     return gen()
 
 
-def build_data_iterators(datasets_provider: Callable, args: argparse.Namespace, consumed_train: int,
+def build_data_iterators(datasets_provider: Callable, config: TrainingConfig, consumed_train: int,
                          consumed_valid: int, num_chunks: int):
     """One iterator per model chunk (every chunk sees the same sequence of microbatches)."""
-    eval_runs = (args.train_iters // args.eval_interval + 1) * args.eval_iters
-    num_samples = (args.train_iters * args.global_batch_size, eval_runs * args.global_batch_size,
-                   args.eval_iters * args.global_batch_size)
+    loop, gbs = config.loop, config.layout.global_batch_size
+    eval_runs = (loop.train_iters // loop.eval_interval + 1) * loop.eval_iters
+    num_samples = (loop.train_iters * gbs, eval_runs * gbs, loop.eval_iters * gbs)
     train_ds, valid_ds, test_ds = datasets_provider(num_samples)
     state = parallel_state.resolve_parallel_state()
     dp_rank, dp_size = state.data_parallel_rank, state.data_parallel_size
 
     def loader(ds, consumed):
-        return build_pretraining_data_loader(ds, consumed, args.micro_batch_size, dp_rank, dp_size,
-                                             dataloader_type=args.dataloader_type, num_workers=args.num_workers,
-                                             seed=args.seed)
+        return build_pretraining_data_loader(ds, consumed, config.layout.micro_batch_size, dp_rank, dp_size,
+                                             dataloader_type=loop.dataloader_type, num_workers=loop.num_workers,
+                                             seed=loop.seed)
 
     train = [iter(loader(train_ds, consumed_train)) if train_ds is not None else None for _ in range(num_chunks)]
     valid = [_cyclic(loader(valid_ds, consumed_valid)) for _ in range(num_chunks)]
@@ -219,13 +198,15 @@ def _group_ranks(kind: str) -> list[int]:
 
 
 def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list, optimizer: Any,
-               scheduler: Any, args: argparse.Namespace, stats: Optional[list] = None,
+               scheduler: Any, config: TrainingConfig, stats: Optional[list] = None,
                average_losses: Optional[LossAverager] = None, schedule: Optional[str] = None
                ) -> tuple[dict[str, float], bool, Optional[float]]:
     """One iteration; ``stats`` (a list) receives the executor's per-action timings.
 
-    ``schedule``: a pipeline schedule name; None = the layout's (1F1B, interleaved with virtual stages).
+    ``schedule``: a pipeline schedule name; None = the config's (--pipeline-schedule, else 1F1B,
+    interleaved with virtual stages). ``config.layout`` gives this iteration's microbatch count.
     """
+    layout, loop = config.layout, config.loop
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -233,38 +214,39 @@ def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list
                      "tied-embedding all-reduce)", "its data-parallel and embedding-group peers"):
         losses = forward_backward(
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, schedule=schedule or getattr(args, "pipeline_schedule", None),
-            grad_scale_func=optimizer.scale_loss if (args.fp16 or args.bf16) else None,
-            finalize_model_grads_func=finalize_model_grads, pipeline_dtype=params_dtype(args),
-            deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
-            calculate_per_token_loss=args.calculate_per_token_loss,
+            num_microbatches=layout.num_microbatches, seq_length=layout.seq_length,
+            micro_batch_size=layout.micro_batch_size, schedule=schedule or layout.pipeline_schedule,
+            grad_scale_func=optimizer.scale_loss if (loop.fp16 or loop.bf16) else None,
+            finalize_model_grads_func=finalize_model_grads, pipeline_dtype=loop.params_dtype,
+            deallocate_pipeline_outputs=loop.deallocate_pipeline_outputs,
+            calculate_per_token_loss=loop.calculate_per_token_loss,
             stats=stats, time_actions=stats is not None,
         )
     with waiting_for(lambda: f"the optimizer step (inf check and gradient norm over model-parallel ranks "
                      f"{_group_ranks('mp')}, data-parallel ranks {_group_ranks('dp')})", "those ranks"):
         update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
-        scheduler.step(increment=args.global_batch_size)
+        scheduler.step(increment=layout.global_batch_size)
     return (average_losses or LossAverager())(losses), not update_successful, grad_norm
 
 
 def evaluate(forward_step_func: Callable, data_iterator: Sequence, model: list,
-             args: argparse.Namespace, average_losses: Optional[LossAverager] = None) -> dict[str, float]:
+             config: TrainingConfig, average_losses: Optional[LossAverager] = None) -> dict[str, float]:
     for chunk in model:
         chunk.eval()
     average_losses = average_losses or LossAverager()
     totals: dict[str, float] = {}
+    layout, eval_iters = config.layout, config.loop.eval_iters
     with torch.no_grad():
-        for _ in range(args.eval_iters):
+        for _ in range(eval_iters):
             losses = forward_backward(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, forward_only=True, pipeline_dtype=params_dtype(args),
-                schedule=getattr(args, "pipeline_schedule", None),  # the chunks' placement
+                num_microbatches=layout.num_microbatches, seq_length=layout.seq_length,
+                micro_batch_size=layout.micro_batch_size, forward_only=True, pipeline_dtype=config.loop.params_dtype,
+                schedule=layout.pipeline_schedule,  # the chunks' placement
             )
             for k, v in average_losses(losses).items():
-                totals[k] = totals.get(k, 0.0) + v / args.eval_iters
+                totals[k] = totals.get(k, 0.0) + v / eval_iters
     for chunk in model:
         chunk.train()
     return totals
@@ -273,16 +255,14 @@ def evaluate(forward_step_func: Callable, data_iterator: Sequence, model: list,
 # --------------------------------------------------------------------------------------- logging
 
 
-def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
-    """Model FLOPs of one iteration (Megatron's formula; causal attention counted as half)."""
-    from parallel3d.planning.model import num_floating_point_operations as flops  # the one copy of the formula
-    return flops(batch_size=batch_size, seq_length=args.seq_length, num_layers=args.num_layers,
-                 hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                 kv_channels=args.kv_channels, num_query_groups=args.num_query_groups,
-                 ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu, padded_vocab_size=args.padded_vocab_size)
+def model_flops(model_config: Any, batch_size: int) -> Optional[float]:
+    """Model FLOPs of one iteration, when the model config can count them (TransformerConfig does)."""
+    count = getattr(model_config, "num_floating_point_operations", None)
+    return count(batch_size) if count is not None else None
 
 
-def peak_tflops(args: argparse.Namespace) -> Optional[float]:
+def peak_tflops(args: Any) -> Optional[float]:
+    """``args.peak_tflops`` (the logging config's, or the arguments'), else the card's datasheet figure."""
     if args.peak_tflops:
         return args.peak_tflops
     return _PEAK_TFLOPS.get(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
@@ -291,8 +271,9 @@ def peak_tflops(args: argparse.Namespace) -> Optional[float]:
 class TrainingLogger:
     """Interval logging: console (with a progress bar on a terminal), --log-json, TensorBoard."""
 
-    def __init__(self, args: argparse.Namespace, start_iteration: int = 0):
-        self.args = args
+    def __init__(self, config: TrainingConfig | argparse.Namespace, start_iteration: int = 0, model_config: Any = None):
+        self.config, self.model_config = as_training_config(config), model_config
+        args = self.config.logging
         self.active = is_last_rank()  # the last rank holds the losses (Megatron logs there too)
         self.json = open(args.log_json, "a") if (self.active and args.log_json) else None
         self.tb = None
@@ -303,8 +284,10 @@ class TrainingLogger:
                 self.tb = SummaryWriter(args.tensorboard_dir)
             except ImportError:
                 print("tensorboard is not installed: --tensorboard-dir ignored (pip install tensorboard)")
-        self.wandb = megatron_runtime.WandbSink(args) if (self.active and args.wandb_project) else None
-        self.bar = (progress.make_bar(args.train_iters, "training", stream=sys.stdout, initial=start_iteration)
+        self.wandb = megatron_runtime.WandbSink(args, self.config.run_args()) \
+            if (self.active and args.wandb_project) else None
+        self.bar = (progress.make_bar(self.config.loop.train_iters, "training", stream=sys.stdout,
+                                      initial=start_iteration)
                     if self.active and not args.no_progress_bar else None)
         self.reset()
 
@@ -333,15 +316,19 @@ class TrainingLogger:
                 if isinstance(v, (int, float)) and k != "iteration":
                     self.tb.add_scalar(k, v, record["iteration"])
 
-    def log(self, iteration: int, lr: float, grad_norm: Optional[float], loss_scale: Optional[float]) -> None:
-        args = self.args
+    def log(self, iteration: int, lr: float, grad_norm: Optional[float], loss_scale: Optional[float],
+            layout: Any = None) -> None:
+        """``layout``: the logged iteration's (its batch, under --rampup-batch-size); default the config's."""
+        layout = layout or self.config.layout
+        train_iters = self.config.loop.train_iters
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self.t0
         per_iter = elapsed / max(self.iters, 1)
-        tokens_per_s = args.global_batch_size * args.seq_length / per_iter
-        tflops = num_floating_point_operations(args, args.global_batch_size) / per_iter / args.world_size / 1e12
-        peak = peak_tflops(args)
+        tokens_per_s = layout.global_batch_size * layout.seq_length / per_iter
+        flops = model_flops(self.model_config, layout.global_batch_size)
+        tflops = flops / per_iter / layout.world_size / 1e12 if flops is not None else None
+        peak = peak_tflops(self.config.logging)
         if torch.cuda.is_available():
             mem_gb = torch.cuda.max_memory_allocated() / 2 ** 30
         else:
@@ -349,8 +336,8 @@ class TrainingLogger:
         loss = {k: v / max(self.iters, 1) for k, v in self.sums.items()}
         record = {"type": "train", "iteration": iteration, "loss": loss.get("lm loss", next(iter(loss.values()), float("nan"))),
                   "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                  "tokens_per_s_per_gpu": tokens_per_s / args.world_size, "tflops_per_gpu": tflops,
-                  "mfu": tflops / peak if peak else None, "iteration_time_s": per_iter,
+                  "tokens_per_s_per_gpu": tokens_per_s / layout.world_size, "tflops_per_gpu": tflops,
+                  "mfu": tflops / peak if peak and tflops is not None else None, "iteration_time_s": per_iter,
                   "memory_gb": mem_gb, "skipped_iterations": self.skipped, "loss_scale": loss_scale}
         if self.active:
             self.write(record)
@@ -358,9 +345,10 @@ class TrainingLogger:
                 self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
             mfu = f" | MFU {100 * record['mfu']:.1f}%" if record["mfu"] else ""
             gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
-            progress.emit(self.bar, f"iteration {iteration:6d}/{args.train_iters} | loss {record['loss']:.4f} | lr {lr:.3e} | "
+            tf = f"{tflops:.1f}" if tflops is not None else "n/a"  # n/a: a model config without a FLOPs count
+            progress.emit(self.bar, f"iteration {iteration:6d}/{train_iters} | loss {record['loss']:.4f} | lr {lr:.3e} | "
                   f"grad norm {gn} | {per_iter * 1000:.0f} ms/it | {tokens_per_s:,.0f} tokens/s | "
-                  f"{tflops:.1f} TFLOP/s/GPU{mfu} | mem {mem_gb:.2f} GB"
+                  f"{tf} TFLOP/s/GPU{mfu} | mem {mem_gb:.2f} GB"
                   + (f" | skipped {self.skipped}" if self.skipped else ""))
         self.reset()
 
@@ -387,92 +375,99 @@ class TrainingLogger:
 
 
 def pretrain(
-    args: argparse.Namespace,
+    config: TrainingConfig | argparse.Namespace,
     model_provider: Callable[..., torch.nn.Module],
     forward_step_func: Callable,
     datasets_provider: Callable,
     model_config: Any = None,
     layer_numbers: Optional[Sequence[Sequence[int]]] = None,
 ) -> dict[str, Any]:
-    """Train for ``args.train_iters`` iterations; returns the model, optimizer, and each iteration's
-    averaged losses and gradient norm.
+    """Train for ``config.loop.train_iters`` iterations; returns the model, optimizer, and each
+    iteration's averaged losses and gradient norm.
 
-    Expects ``initialize_distributed(args)`` and ``validate_args`` to have run.
+    ``model_config``: the model's config, saved in checkpoints (a ``checkpoint_mismatches`` method
+    refuses another model's, parallel3d.model_chunk) and counting the FLOPs the log reports (a
+    ``num_floating_point_operations(batch_size)`` method). Expects ``initialize_distributed`` to have run.
     """
-    if args.save:  # an unwritable --save fails now, not at the first save hours in
-        checkpointing.check_save_dir_writable(args.save)
+    config = as_training_config(config)
+    if config.checkpoint.save:  # an unwritable --save fails now, not at the first save hours in
+        checkpointing.check_save_dir_writable(config.checkpoint.save)
     # Installed before the slow setup, so an early SIGTERM still ends in a save after iteration 1.
-    with ExitSignalHandler(default_device()) if args.exit_signal_handler else contextlib.nullcontext() as exit_signal:
-        return _pretrain(args, model_provider, forward_step_func, datasets_provider, model_config, layer_numbers,
+    with ExitSignalHandler(default_device()) if config.loop.exit_signal_handler else contextlib.nullcontext() \
+            as exit_signal:
+        return _pretrain(config, model_provider, forward_step_func, datasets_provider, model_config, layer_numbers,
                          exit_signal)
 
 
-def _pretrain(args: argparse.Namespace, model_provider: Callable[..., torch.nn.Module], forward_step_func: Callable,
+def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Module], forward_step_func: Callable,
               datasets_provider: Callable, model_config: Any, layer_numbers: Optional[Sequence[Sequence[int]]],
               exit_signal: Optional[ExitSignalHandler]) -> dict[str, Any]:
-    model = get_model(model_provider, args)
-    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
-    scheduler = get_optimizer_param_scheduler(optimizer, args)
+    ckpt, loop = config.checkpoint, config.loop
+    model = get_model(model_provider, config)
+    optimizer = get_megatron_optimizer(config.optimizer, model)
+    scheduler = get_optimizer_param_scheduler(optimizer, config)
 
     iteration, consumed_train, consumed_valid = megatron_runtime.load_for_training(
-        args, model, optimizer, scheduler, model_config, print_rank_0)
+        config, model, optimizer, scheduler, model_config, print_rank_0)
 
-    train_iter, valid_iter = build_data_iterators(datasets_provider, args, consumed_train, consumed_valid, len(model))
-    logger = TrainingLogger(args, start_iteration=iteration)
+    train_iter, valid_iter = build_data_iterators(datasets_provider, config, consumed_train, consumed_valid, len(model))
+    logger = TrainingLogger(config, start_iteration=iteration, model_config=model_config)
     history: list[dict[str, float]] = []
     grad_norms: list[Optional[float]] = []
+    step_config = config  # the current iteration's: its batch changes under --rampup-batch-size
 
     def save(it: int) -> None:
         checkpointing.save_checkpoint(
-            args.save, it, model, *((None, None) if args.no_save_optim else (optimizer, scheduler)),
-            model_config=model_config, args=args,
+            ckpt.save, it, model, *((None, None) if ckpt.no_save_optim else (optimizer, scheduler)),
+            model_config=model_config, args=step_config.run_args(),
             extra={"consumed_train_samples": consumed_train, "consumed_valid_samples": consumed_valid},
             layer_numbers=layer_numbers,
         )
-        print_rank_0(f"saved checkpoint of iteration {it} to {args.save}")
+        print_rank_0(f"saved checkpoint of iteration {it} to {ckpt.save}")
 
     last_saved = None
     train_losses, eval_losses = LossAverager(), LossAverager()
-    guard, stopped_by_signal = StepGuard(args), False
-    duration = megatron_runtime.DurationLimit(args.exit_duration_in_mins)
+    guard, stopped_by_signal = StepGuard(loop), False
+    duration = megatron_runtime.DurationLimit(loop.exit_duration_in_mins)
     for chunk in model:
         chunk.train()
-    while iteration < args.train_iters:
-        update_num_microbatches(args, consumed_train)  # --rampup-batch-size: this iteration's global batch
+    while iteration < loop.train_iters:
+        step_config = config.at_consumed(consumed_train)  # --rampup-batch-size: this iteration's global batch
+        layout = step_config.layout
         try:
-            loss, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler, args,
-                                                  average_losses=train_losses)
+            loss, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler,
+                                                  step_config, average_losses=train_losses)
         except CommunicationError as e:
             raise CommunicationError(f"iteration {iteration + 1}: {e}") from e
         scaler = getattr(optimizer, "grad_scaler", None)  # its scale is a host float: no sync
         bad = guard.check(iteration + 1, loss, grad_norm, skipped, model, scaler.scale if scaler else None)
         iteration += 1
-        consumed_train += args.global_batch_size
+        consumed_train += layout.global_batch_size
         history.append(loss)
         grad_norms.append(grad_norm)
         logger.record(loss, skipped)
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            scale = optimizer.get_loss_scale() if args.fp16 else None
+        if iteration % config.logging.log_interval == 0 or iteration == loop.train_iters:
+            scale = optimizer.get_loss_scale() if loop.fp16 else None
             logger.log(iteration, optimizer.param_groups[0]["lr"], grad_norm,
-                       float(scale) if scale is not None else None)
-        if any(v is not None for v in valid_iter) and args.eval_interval and iteration % args.eval_interval == 0:
-            logger.log_eval(iteration, evaluate(forward_step_func, valid_iter, model, args, eval_losses))
-            consumed_valid += args.eval_iters * args.global_batch_size
-        if args.save and args.save_interval and iteration % args.save_interval == 0 and not bad:
+                       float(scale) if scale is not None else None, layout)
+        if any(v is not None for v in valid_iter) and loop.eval_interval and iteration % loop.eval_interval == 0:
+            logger.log_eval(iteration, evaluate(forward_step_func, valid_iter, model, step_config, eval_losses))
+            consumed_valid += loop.eval_iters * layout.global_batch_size
+        if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0 and not bad:
             save(iteration)
             last_saved = iteration
-        if args.exit_interval and iteration % args.exit_interval == 0:
+        if loop.exit_interval and iteration % loop.exit_interval == 0:
             break
         if duration.reached():
-            print_rank_0(f"exiting after iteration {iteration}: --exit-duration-in-mins {args.exit_duration_in_mins} "
-                         "reached" + ("" if args.save else "; no --save, so nothing is saved"))
+            print_rank_0(f"exiting after iteration {iteration}: --exit-duration-in-mins {loop.exit_duration_in_mins} "
+                         "reached" + ("" if ckpt.save else "; no --save, so nothing is saved"))
             break
         if exit_signal is not None and exit_signal.should_exit():
             print_rank_0(f"exiting after iteration {iteration}: received SIGTERM (--exit-signal-handler)"
-                         + ("" if args.save else "; no --save, so nothing is saved"))
+                         + ("" if ckpt.save else "; no --save, so nothing is saved"))
             stopped_by_signal = True
             break
-    if args.save and last_saved != iteration:
+    if ckpt.save and last_saved != iteration:
         save(iteration)
     logger.close()
     return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iteration": iteration,

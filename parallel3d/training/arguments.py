@@ -15,8 +15,8 @@ import re
 import sys
 from typing import Callable, Optional, Sequence
 
-from parallel3d.arguments_help import add_help
-from parallel3d.megatron_args import (
+from parallel3d.training.arguments_help import add_help
+from parallel3d.training.megatron_args import (
     ATTENTION_BACKENDS,
     REFUSED_TOKENIZERS,
     MegatronFlagError,

@@ -12,8 +12,8 @@ import argparse
 import os
 from typing import Any
 
-from parallel3d import checkpointing
-from parallel3d.checkpoint_integrity import CheckpointError
+from parallel3d.training import checkpointing
+from parallel3d.training.checkpoint_integrity import CheckpointError
 
 # TransformerConfig field -> argument, copied as they are.
 _SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",

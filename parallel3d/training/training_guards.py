@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
@@ -78,7 +77,7 @@ def locate_nonfinite(model: Sequence[torch.nn.Module], loss_is_finite: bool) -> 
 class StepGuard:
     """Per-iteration checks on host values only (no added synchronisation on the default path)."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: Any):  # training_config.LoopConfig, or the arguments
         self.check_nan = args.check_for_nan_in_loss_and_grad
         self.nonfinite_budget = args.skip_nonfinite_iters
         self.max_consecutive = args.max_consecutive_skipped_iters

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from parallel3d import parallel_state
-from parallel3d.checkpoint_integrity import (
+from parallel3d.training.checkpoint_integrity import (
     FILES_KEY,
     CheckpointError,
     CheckpointWarning,

@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 from safetensors import safe_open
 
-from parallel3d.safetensors_stream import StreamingSafetensorsWriter
+from parallel3d.training.safetensors_stream import StreamingSafetensorsWriter
 
 FILES_KEY = "files"
 _READ_CHUNK = 1 << 24
