@@ -270,8 +270,7 @@ def optimizer_time(params_on_rank: int, layout: Layout, cluster: ClusterSpec) ->
     """Memory-bound work of one step outside the microbatches, per rank (training.train_step).
 
     Counted from the code, in bytes per parameter:
-    - the fp32 main_grad buffer is zeroed twice, 4 + 4 (train_step calls zero_grad_buffer() on
-      every chunk, then optimizer.zero_grad() does it again);
+    - the fp32 main_grad buffer is zeroed once, 4 (optimizer.zero_grad() at the step's start);
     - with DP > 1 each bucket is scaled by 1/DP before its reduction, read 4 + write 4;
     - on the shard it steps (1/DP of the parameters under ZeRO-1): the gradient norm reads the
       gradient (4), clipping scales it in place (8: --clip-grad 1.0 fires while the norm is above
@@ -280,7 +279,7 @@ def optimizer_time(params_on_rank: int, layout: Layout, cluster: ClusterSpec) ->
       bf16 training copies the master into the bf16 parameter (6).
     """
     shard = params_on_rank / (layout.dp if layout.use_distributed_optimizer else 1)
-    other = 8 * params_on_rank + (8 * params_on_rank if layout.dp > 1 else 0)
+    other = 4 * params_on_rank + (8 * params_on_rank if layout.dp > 1 else 0)
     other += (4 + 8 + (6 if layout.bf16 else 0)) * shard
     adam_gbs = cluster.optimizer_gbs or cluster.copy_gbs * cluster.elementwise_efficiency
     return _passes(cluster, other, 12) + 28 * shard / (adam_gbs * 1e9)

@@ -207,9 +207,7 @@ def train_step(forward_step_func: Callable, data_iterator: Sequence, model: list
     interleaved with virtual stages). ``config.layout`` gives this iteration's microbatch count.
     """
     layout, loop = config.layout, config.loop
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
+    optimizer.zero_grad()  # zeroes every chunk's gradient buffer (once) and drops the masters' gradients
     with waiting_for(lambda: f"forward/backward (gradient reduction over data-parallel ranks {_group_ranks('dp')}, "
                      "tied-embedding all-reduce)", "its data-parallel and embedding-group peers"):
         losses = forward_backward(
