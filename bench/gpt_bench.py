@@ -62,10 +62,15 @@ PRESETS = {  # the Megatron anchor's presets
                  "--seq-length", "2048", "--vocab-size", "128256", "--micro-batch-size", "4",
                  "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                  "--disable-bias-linear", "--untie-embeddings-and-output-weights"],
+    # Megatron-LM README's 7.1B row (the anchor's mlm-7.1b); run with fewer layers to fit a few GPUs.
+    "mlm-7.1b": ["--num-layers", "30", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length",
+                 "4096", "--vocab-size", "131072", "--micro-batch-size", "1",
+                 "--untie-embeddings-and-output-weights"],
 }
 
 
-def bench_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
+def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """(bench options, the validated training arguments) for ``world`` ranks (default: torchrun's)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="gpt-1.3b")
     p.add_argument("--tp", type=int, default=1)
@@ -86,7 +91,7 @@ def bench_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
         "--log-interval", "1000000", "--clip-grad", "1.0",
     ] + ([] if bench.fp32 else ["--bf16"]) \
       + (["--virtual-pipeline-model-parallel-size", str(bench.vpp)] if bench.vpp else []) + rest
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
     args = validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), world)
     return bench, args
 

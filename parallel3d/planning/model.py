@@ -141,6 +141,23 @@ class Layout:
     bf16: bool = True  # bf16 params, fp32 main_grad and masters; False: fp32 everything
     scatter_gather_p2p: bool = False  # SC21's pipeline send of 1/TP per rank + all-gather inside the node
 
+    @classmethod
+    def from_args(cls, args, **overrides) -> "Layout":
+        """From parallel3d's (Megatron's) validated arguments, e.g. those bench/gpt_bench.py builds."""
+        vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+        fields = dict(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            num_layers_per_virtual_pipeline_stage=(args.num_layers // (args.pipeline_model_parallel_size * vpp)
+                                                   if vpp and vpp > 1 else None),
+            data_parallel_size=args.data_parallel_size, micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size, recompute_granularity=args.recompute_granularity,
+            sequence_parallel=bool(args.sequence_parallel),
+            use_distributed_optimizer=bool(args.use_distributed_optimizer),
+            overlap_grad_reduce=bool(args.overlap_grad_reduce), bf16=bool(args.bf16))
+        fields.update(overrides)
+        return cls(**fields)
+
     @property
     def tp(self) -> int:
         return self.tensor_model_parallel_size

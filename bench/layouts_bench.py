@@ -1,0 +1,118 @@
+"""Multi-GPU layouts side by side with Megatron-Core, and the planner's prediction of each run.
+
+    python3 bench/layouts_bench.py --runs 1gpu pp4-1f1b pp4-zb-v ... [--out DIR]   # on the GPU machine
+    python3 bench/layouts_bench.py --report DIR/layouts_bench.json [...] --cluster-file FILE   # anywhere
+
+Measuring: every run is one torchrun job of bench/gpt_bench.py (parallel3d) and, where Megatron-Core
+has the layout, one of ../shared/anchors/megatron_gpt_bench.py with the same flags, in the same call;
+each bounded by --timeout. Results go to DIR/layouts_bench.json (merged with an existing file).
+Reporting: the tokens/s/GPU table with the ratio to Megatron-Core and to the 1-GPU run of the same
+call, and the planner's step time and peak memory (of the last rank, the one gpt_bench reports)
+against the measured ones. The planner is pure Python: predictions need no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from launch import MEGATRON, OURS, iteration_time, run, tokens_per_gpu  # noqa: E402
+
+GPT = ["--preset", "gpt-1.3b"]
+PP4 = GPT + ["--pp", "4", "--global-batch-size", "64"]  # 16 microbatches: the bubble of 1F1B is 3/19
+ZB = ["zb-h1", "zb-h2", "zb-v", "dualpipev", "auto"]
+# name: (GPUs, flags both runners take, flags only parallel3d takes, run Megatron-Core too)
+RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
+    "1gpu": (1, GPT + ["--global-batch-size", "16"], [], True),
+    "tp2-pp2-v2-sp": (4, GPT + ["--global-batch-size", "32", "--tp", "2", "--pp", "2", "--vpp", "2",
+                                "--sequence-parallel"], [], True),
+    "pp2-dp2": (4, GPT + ["--global-batch-size", "32", "--pp", "2", "--use-distributed-optimizer",
+                          "--overlap-grad-reduce"], [], True),
+    "tp2-dp2": (4, GPT + ["--global-batch-size", "32", "--tp", "2", "--sequence-parallel",
+                          "--use-distributed-optimizer", "--overlap-grad-reduce"], [], True),
+    "pp4-1f1b": (4, PP4, ["--schedule-timing"], True),
+    "pp4-interleaved": (4, PP4 + ["--vpp", "2"], ["--schedule-timing"], True),
+    **{f"pp4-{z}": (4, PP4, ["--pipeline-schedule", z, "--schedule-timing"], False) for z in ZB},
+    "7b-tp4": (4, ["--preset", "mlm-7.1b", "--num-layers", "16", "--global-batch-size", "16", "--tp", "4",
+                   "--sequence-parallel"], [], True),
+}
+
+
+def measure(names: list[str], out: str, iters: int, warmup: int, timeout: int) -> dict:
+    path = os.path.join(out, "layouts_bench.json")
+    results = json.load(open(path)) if os.path.exists(path) else {}
+    logs = os.path.join(out, "logs")
+    for name in names:
+        gpus, both, ours_only, peer = RUNS[name]
+        common = both + ["--iters", str(iters), "--warmup", str(warmup)]
+        results[name] = {"ours": run(f"p3d_{name}", gpus, OURS, common + ours_only, logs, timeout=timeout)}
+        if peer:
+            results[name]["megatron"] = run(f"megatron_{name}", gpus, MEGATRON, common, logs, timeout=timeout)
+        with open(path, "w") as f:  # after every run: a later timeout keeps what was measured
+            json.dump(results, f, indent=1)
+    return results
+
+
+def predict(name: str, cluster) -> tuple[float, float]:
+    """(step seconds, peak GiB of the last rank) the planner gives for this run."""
+    import gpt_bench
+    from parallel3d.planning import Layout, ModelSpec, estimate
+    from parallel3d.planning.hardware import GIB
+
+    gpus, both, ours_only, _ = RUNS[name]
+    _, args = gpt_bench.bench_args(both + ours_only, world=gpus)
+    if args.pipeline_schedule not in (None, "1f1b", "interleaved-1f1b"):
+        return float("nan"), float("nan")  # the planner models Megatron's schedules only
+    est = estimate(ModelSpec.from_args(args), Layout.from_args(args), cluster)
+    return est.step_time_s, est.memory[-1].peak / GIB
+
+
+def report(results: dict, cluster) -> str:
+    one = tokens_per_gpu(results.get("1gpu", {}).get("ours"))
+    lines = ["| run | parallel3d tokens/s/GPU | Megatron-Core | ratio | vs parallel3d 1 GPU | step measured / "
+             "predicted | error | peak GiB measured / predicted | error |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        ours, peer = r.get("ours"), r.get("megatron")
+        if not ours:
+            lines.append(f"| {name} | failed or timed out (see its log) | {tokens_per_gpu(peer):,.0f} | | | | | | |")
+            continue
+        tok = tokens_per_gpu(ours)
+        ratio = f"{tok / tokens_per_gpu(peer):.3f}x" if peer else ""
+        step, mem = predict(name, cluster) if cluster else (float("nan"), float("nan"))
+        ms, mm = iteration_time(ours), ours.get("peak_memory_gb") or float("nan")
+        lines.append(f"| {name} | {tok:,.0f} | {tokens_per_gpu(peer):,.0f} | {ratio} | {tok / one:.1%} | "
+                     f"{ms:.3f} / {step:.3f} s | {100 * (step / ms - 1):+.1f}% | {mm:.1f} / {mem:.1f} | "
+                     f"{100 * (mem / mm - 1):+.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=[])
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=150, help="seconds per torchrun job before it is killed")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
+    p.add_argument("--report", nargs="*", default=None, help="layouts_bench.json files to tabulate (merged)")
+    p.add_argument("--cluster-file", default=None, help="planner cluster (bench/calibrate_planner.py)")
+    a = p.parse_args(argv)
+    if a.report is None:
+        measure(a.runs, a.out, a.iters, a.warmup, a.timeout)
+        a.report = [os.path.join(a.out, "layouts_bench.json")]
+    results: dict = {}
+    for path in a.report:
+        results.update(json.load(open(path)))
+    cluster = None
+    if a.cluster_file:
+        from parallel3d.planning import load_cluster
+        cluster = load_cluster(a.cluster_file)
+    print(report(results, cluster))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
