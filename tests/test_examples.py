@@ -59,8 +59,9 @@ def test_demo_arguments_fit_each_machine(gpus, tmp_path):
     assert (args.num_layers, args.hidden_size) == ((12, 768) if gpus else (4, 128))
     assert args.bf16 == bool(gpus) and args.save == str(tmp_path / "demo_checkpoint")
     assert nproc == {0: 8, 1: 1, 2: 2, 3: 2, 4: 4, 8: 8}[gpus]
-    if gpus:  # ~3 minutes on one H100: GPT-2 small's shape, 1500 iterations of 128 x 512 tokens
+    if gpus:  # ~2 minutes on one H100: GPT-2 small's shape, 500 iterations of 128 x 512 tokens
         assert (args.num_attention_heads, args.seq_length, args.global_batch_size) == (12, 512, 128)
+        assert (args.train_iters, args.lr_warmup_iters) == (500, 50)
 
 
 def test_demo_with_few_iterations_scales_its_warmup(tmp_path):
