@@ -42,12 +42,16 @@ def test_layout_errors_name_the_problem(text, stages, layers, message):
         parse_layout(text, stages, layers)
 
 
-def test_head_cost_of_gpt_1_3b_is_what_the_issue_measured():
-    assert head_cost_in_layers(2048, 2048, 50257) == pytest.approx(1.75, abs=0.01)
+def test_head_cost_of_gpt_1_3b_is_what_was_measured():
+    # 4 x H100, PP=4, the vocab-parallel loss: output layer + loss 18.7 ms forward + backward per
+    # microbatch against 4.9 ms per layer (bench/layouts_bench.py, BENCHMARKS.md): 3.8 layers.
+    assert head_cost_in_layers(2048, 2048, 50304, tensor_parallel=True) == pytest.approx(3.8, rel=0.05)
+    # the one-rank loss makes fewer passes; the logits GEMM alone would be 1.75 layers
+    assert 1.75 < head_cost_in_layers(2048, 2048, 50304) < head_cost_in_layers(2048, 2048, 50304, True)
 
 
 def test_balanced_default_moves_layers_off_the_loss_stage():
-    assert layer_counts(_args(), 2) == [13, 11]  # 13 vs 11 + 1.75
+    assert layer_counts(_args(), 2) == [13, 11]  # 13 vs 11 + 2.8
     assert layer_counts(_args(pipeline_split="even"), 2) is None
     assert sum(layer_counts(_args(), 4)) == 24 and layer_counts(_args(), 4)[-1] < 6
 

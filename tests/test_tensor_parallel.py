@@ -367,3 +367,30 @@ def _bad_tp_split(rank, world_size):
 
 def test_bad_tp_split_errors():
     assert run_distributed(_bad_tp_split, 2, timeout=60) == [True, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_without_tp_equals_the_vocab_parallel_one(dtype):
+    """TP=1 takes a shorter road (one log_softmax); loss and gradient agree with the TP algorithm's."""
+    from parallel3d.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
+
+    torch.manual_seed(3)
+    vocab, padded = 1000, 1024
+    for smoothing in (0.0, 0.1):
+        logits = (torch.randn(16, 4, padded) * 3).to(dtype)
+        target = torch.randint(0, vocab, (16, 4))
+        a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        loss = tp.vocab_parallel_cross_entropy(a, target, label_smoothing=smoothing, vocab_size=vocab)
+        ref = _VocabParallelCrossEntropy.apply(b, target, smoothing, vocab, None)
+        w = torch.rand(16, 4)
+        (loss * w).sum().backward()
+        (ref * w).sum().backward()
+        assert loss.dtype == torch.float32 and a.grad.dtype == dtype
+        torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(a.grad.float(), b.grad.float(), rtol=1e-5, atol=1e-6)
+        assert a.grad[..., vocab:].abs().max() == 0  # padding columns get no gradient
+    x = torch.randn(4, 10, requires_grad=True)
+    loss = tp.vocab_parallel_cross_entropy(x, torch.zeros(4, dtype=torch.long)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()  # the saved log-probabilities became the gradient: a second pass must not reuse them

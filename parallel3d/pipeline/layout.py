@@ -10,7 +10,7 @@ Precedence (the first given wins):
 3. ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``:
    an even split in which the embedding / the loss counts as one layer of the first / last stage.
 4. ``--pipeline-split balanced`` (default): the contiguous split minimising the most expensive
-   stage by FLOPs, counting the output layer and loss on the last stage (:func:`head_cost_in_layers`);
+   stage by cost, counting the output layer and loss on the last stage (:func:`head_cost_in_layers`);
    ``--pipeline-split even``: Megatron's default, every stage the same number of layers.
 
 Every path ends in :func:`stage_counts`, which refuses a layout that would drop or duplicate a layer.
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import re
 from typing import Any, Optional
+
+from parallel3d.tensor_parallel.cross_entropy import loss_bytes_per_logit
 
 from .partition import _balanced_counts, _even_counts
 
@@ -71,15 +73,27 @@ def stage_counts(counts: list[int], num_layers: int, source: str) -> list[int]:
     return counts
 
 
-def head_cost_in_layers(hidden_size: int, seq_length: int, padded_vocab_size: int) -> float:
-    """The output layer and loss in units of one transformer layer, by training FLOPs.
+# Bytes of memory traffic worth one GEMM FLOP's time, and a layer's time over its GEMMs' alone
+# (H100, GPT-1.3B, 2026-11-26: GEMMs at ~650 TFLOP/s against ~3 TB/s copies; a layer measured
+# 4.9 ms forward + backward for 4.45 ms of GEMMs). Calibrated so that the loss path measured
+# there gives the measured head: 3.8 layers (11.2 ms forward + 7.5 ms backward) at PP=4.
+FLOPS_PER_LOSS_BYTE = 200.0
+LAYER_OVER_GEMMS = 1.1
 
-    Layer: 72 b s h^2 + 12 b s^2 h (QKV, projection and a 4h MLP, attention scores; forward
-    plus backward = 3x forward); output layer: 6 b s h V.  GPT-1.3B (h 2048, s 2048, V 50257):
-    1.75 layers, what the issue measured (21.9 ms against about 10 for a chunk of 12 layers / 2).
+
+def head_cost_in_layers(hidden_size: int, seq_length: int, padded_vocab_size: int,
+                        tensor_parallel: bool = False) -> float:
+    """The output layer and loss in units of one transformer layer's training time.
+
+    Layer: 72 b s h^2 + 12 b s^2 h GEMM FLOPs (QKV, projection, a 4h MLP, attention scores;
+    forward plus backward = 3x forward), times LAYER_OVER_GEMMS. Output layer: 6 b s h V FLOPs,
+    plus the loss's memory passes over the b s V logits (``loss_bytes_per_logit``) at
+    FLOPS_PER_LOSS_BYTE. GPT-1.3B (h 2048, s 2048, V 50304): 3.9 layers with TP's loss (3.8
+    measured), 2.9 with the one-rank loss; the GEMMs alone would say 1.75.
     """
     h, s, V = hidden_size, seq_length, padded_vocab_size
-    return 6 * h * V / (72 * h * h + 12 * s * h)
+    loss_bytes = sum(loss_bytes_per_logit(tensor_parallel))
+    return (6 * h * V + loss_bytes * V * FLOPS_PER_LOSS_BYTE) / ((72 * h * h + 12 * s * h) * LAYER_OVER_GEMMS)
 
 
 def layer_counts(args: Any, num_stages: int, padded_vocab_size: Optional[int] = None) -> Optional[list[int]]:
@@ -103,8 +117,9 @@ def layer_counts(args: Any, num_stages: int, padded_vocab_size: Optional[int] = 
         return stage_counts(counts, L, "--account-for-embedding/loss-in-pipeline-split")
     if getattr(args, "pipeline_split", "balanced") == "even" or num_stages == 1:
         return None
+    tp = getattr(args, "tensor_model_parallel_size", 1)
     head = head_cost_in_layers(args.hidden_size, args.seq_length, padded_vocab_size
-                               or getattr(args, "padded_vocab_size", None) or args.vocab_size)
+                               or getattr(args, "padded_vocab_size", None) or args.vocab_size, tp > 1)
     if L < num_stages:
         return None  # not enough layers to balance: the even split's error says so
     return _balanced_counts([1.0] * L, num_stages, 0.0, head, allow_empty=False)

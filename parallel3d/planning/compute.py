@@ -16,16 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parallel3d.tensor_parallel.cross_entropy import loss_bytes_per_logit
+
 from .comm import all_gather_time, all_reduce_time, group_of, reduce_scatter_time
 from .hardware import ClusterSpec
 from .model import Layout, ModelSpec
 
-# Bytes moved per logit element by the vocab-parallel cross-entropy, forward and backward
-# (fp32 upcast, max, shift, exp, sum, gather; then softmax minus one-hot and the cast back).
-# Derived from the PP=2 stage times of BENCHMARKS.md: the last stage's forward was 11 ms longer
-# than the first stage's for 8192 tokens x 50304 logits, of which ~2 ms is the logits GEMM.
-LOSS_FWD_BYTES_PER_LOGIT = 64.0
-LOSS_BWD_BYTES_PER_LOGIT = 24.0
 FLASH_BWD_FLOP_RATIO = 2.5  # FlashAttention-2's backward: 5 matmuls against the forward's 2
 
 
@@ -90,7 +86,7 @@ def _passes(cluster: ClusterSpec, nbytes: float, kernels: int) -> float:
 
 
 def _loss_passes(cluster: ClusterSpec, nbytes: float, kernels: int) -> float:
-    """The loss's passes: LOSS_*_BYTES_PER_LOGIT are effective bytes at copy bandwidth (measured whole)."""
+    """The loss's passes: ``loss_bytes_per_logit`` gives effective bytes at copy bandwidth."""
     return nbytes / (cluster.copy_gbs * 1e9) + kernels * cluster.kernel_launch_us * 1e-6
 
 
@@ -248,8 +244,9 @@ def head_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, holds_embe
     vocab = model.vocab(t) // t
     f, i, w = _linear(cluster, tokens, vocab, h, elem)
     logits = tokens * vocab
-    fwd = f + _passes(cluster, sp_tokens * h * 2 * elem, 2) + _loss_passes(cluster, logits * LOSS_FWD_BYTES_PER_LOGIT, 6)
-    bwd_in = i + _passes(cluster, sp_tokens * h * 3 * elem, 2) + _loss_passes(cluster, logits * LOSS_BWD_BYTES_PER_LOGIT, 4)
+    loss_fwd, loss_bwd = loss_bytes_per_logit(tensor_parallel=t > 1)
+    fwd = f + _passes(cluster, sp_tokens * h * 2 * elem, 2) + _loss_passes(cluster, logits * loss_fwd, 6)
+    bwd_in = i + _passes(cluster, sp_tokens * h * 3 * elem, 2) + _loss_passes(cluster, logits * loss_bwd, 4)
     if not model.untie_embeddings_and_output_weights:
         if holds_embedding:  # zeros gradient, then autograd sums it with the embedding's (read 2, write 1)
             w += _passes(cluster, vocab * h * elem * 4, 2)
