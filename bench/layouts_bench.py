@@ -65,8 +65,6 @@ def predict(name: str, cluster) -> tuple[float, float]:
 
     gpus, both, ours_only, _ = RUNS[name]
     _, args = gpt_bench.bench_args(both + ours_only, world=gpus)
-    if args.pipeline_schedule not in (None, "1f1b", "interleaved-1f1b"):
-        return float("nan"), float("nan")  # the planner models Megatron's schedules only
     est = estimate(ModelSpec.from_args(args), Layout.from_args(args), cluster)
     return est.step_time_s, est.memory[-1].peak / GIB
 

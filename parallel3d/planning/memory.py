@@ -9,7 +9,13 @@ GQA and SwiGLU; the number of microbatches held at once comes from the simulated
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+
+from parallel3d.pipeline.layout import layer_counts
+from parallel3d.pipeline.partition import partition_layers
+from parallel3d.pipeline.schedules import virtual_stage
 
 from .hardware import GIB, ClusterSpec
 from .model import Layout, ModelSpec
@@ -53,12 +59,26 @@ class MemoryBreakdown:
         return d
 
 
+@functools.lru_cache(maxsize=256)
+def layer_partition(model: ModelSpec, layout: Layout) -> list[list[range]]:
+    """result[rank][chunk]: the layers training places there (examples/pretrain_gpt.py's layer_partition):
+    parallel3d.pipeline.layout's counts for --pipeline-split, in the schedule's chunk placement."""
+    P, V = layout.pp, layout.virtual_stages(model)
+    args = SimpleNamespace(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, seq_length=model.seq_length,
+        vocab_size=model.vocab_size, pipeline_split=layout.pipeline_split, pipeline_model_parallel_layout=None,
+        decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
+    counts = layer_counts(args, P * V, model.vocab(layout.tp))
+    return partition_layers(model.num_layers, P, V, layers_per_stage=counts, allow_empty_stages=counts is not None,
+                            placement=layout.placement(model))
+
+
 def rank_chunks(model: ModelSpec, layout: Layout, rank: int) -> list[tuple[int, bool, bool]]:
     """(layers, holds embedding, holds output layer) of each model chunk of pipeline rank ``rank``."""
-    P, V = layout.pp, layout.virtual_stages(model)
-    per = model.num_layers // (P * V)
+    P, V, placement = layout.pp, layout.virtual_stages(model), layout.placement(model)
     last = P * V - 1
-    return [(per, c * P + rank == 0, c * P + rank == last) for c in range(V)]
+    stages = [virtual_stage(rank, c, P, placement) for c in range(V)]
+    return [(len(layers), v == 0, v == last) for layers, v in zip(layer_partition(model, layout)[rank], stages)]
 
 
 def params_on_rank(model: ModelSpec, layout: Layout, rank: int) -> int:

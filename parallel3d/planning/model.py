@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from parallel3d.pipeline.forward_backward import default_schedule_name
+from parallel3d.pipeline.schedules import SCHEDULE_NAMES, V_SHAPED, placement_of
+
 RECOMPUTE_CHOICES = (None, "selective", "full")
+PIPELINE_SPLITS = ("balanced", "even")  # --pipeline-split: parallel3d's default, Megatron's
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,15 @@ class Layout:
     overlap_grad_reduce: bool = False
     bf16: bool = True  # bf16 params, fp32 main_grad and masters; False: fp32 everything
     scatter_gather_p2p: bool = False  # SC21's pipeline send of 1/TP per rank + all-gather inside the node
+    pipeline_schedule: Optional[str] = None  # --pipeline-schedule; None: Megatron's 1f1b / interleaved-1f1b
+    pipeline_split: str = "balanced"  # --pipeline-split: layers per stage as parallel3d.pipeline.layout splits them
+
+    def __post_init__(self) -> None:
+        if self.pipeline_schedule is not None and self.pipeline_schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"unknown --pipeline-schedule {self.pipeline_schedule!r}; valid names: "
+                             f"{', '.join(SCHEDULE_NAMES)}")
+        if self.pipeline_split not in PIPELINE_SPLITS:
+            raise ValueError(f"--pipeline-split must be one of {PIPELINE_SPLITS}, got {self.pipeline_split!r}")
 
     @classmethod
     def from_args(cls, args, **overrides) -> "Layout":
@@ -154,7 +167,9 @@ class Layout:
             global_batch_size=args.global_batch_size, recompute_granularity=args.recompute_granularity,
             sequence_parallel=bool(args.sequence_parallel),
             use_distributed_optimizer=bool(args.use_distributed_optimizer),
-            overlap_grad_reduce=bool(args.overlap_grad_reduce), bf16=bool(args.bf16))
+            overlap_grad_reduce=bool(args.overlap_grad_reduce), bf16=bool(args.bf16),
+            pipeline_schedule=getattr(args, "pipeline_schedule", None),
+            pipeline_split=getattr(args, "pipeline_split", "balanced"))
         fields.update(overrides)
         return cls(**fields)
 
@@ -175,8 +190,9 @@ class Layout:
         return self.tp * self.pp * self.dp
 
     def virtual_stages(self, model: ModelSpec) -> int:
+        """Model chunks per pipeline rank; the V-shaped schedules (zb-v, dualpipev) hold two."""
         if not self.num_layers_per_virtual_pipeline_stage:
-            return 1
+            return 2 if self.pp > 1 and self.pipeline_schedule in V_SHAPED else 1
         return model.num_layers // (self.pp * self.num_layers_per_virtual_pipeline_stage)
 
     @property
@@ -184,14 +200,20 @@ class Layout:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     def schedule_name(self, model: ModelSpec) -> str:
-        """What parallel3d (and Megatron) run for this layout."""
-        if self.pp == 1:
-            return "no-pipelining"
-        return "interleaved-1f1b" if self.virtual_stages(model) > 1 else "1f1b"
+        """What parallel3d runs for this layout: --pipeline-schedule, else Megatron's choice."""
+        if self.pipeline_schedule is not None and self.pp > 1:
+            return self.pipeline_schedule
+        v = self.virtual_stages(model)
+        return default_schedule_name(self.pp, v if v > 1 else None)
+
+    def placement(self, model: ModelSpec) -> str:
+        """Which virtual stage each (rank, chunk) holds: "v" for zb-v / dualpipev, else "loop"."""
+        return placement_of(self.schedule_name(model))
 
     def describe(self, model: ModelSpec) -> str:
         v = self.virtual_stages(model)
-        parts = [f"TP={self.tp}", f"PP={self.pp}"] + ([f"V={v}"] if v > 1 else []) + [
+        parts = [f"TP={self.tp}", f"PP={self.pp}"] + ([f"V={v}"] if v > 1 else []) + (
+            [self.schedule_name(model)] if self.pipeline_schedule and self.pp > 1 else []) + [
             f"DP={self.dp}", f"mbs={self.micro_batch_size}", f"recompute={self.recompute_granularity or 'none'}"]
         if self.sequence_parallel:
             parts.append("SP")
@@ -223,7 +245,13 @@ class Layout:
             if self.pp < 2 or model.num_layers % (self.pp * per):
                 raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per} needs PP >= 2 and --num-layers "
                                  f"({model.num_layers}) a multiple of PP x {per}")
-            if self.virtual_stages(model) > 1 and self.num_microbatches % self.pp:
+        if self.pp > 1 and self.pipeline_schedule in V_SHAPED and (
+                self.virtual_stages(model) != 2 or model.num_layers % (2 * self.pp)):
+            raise ValueError(f"--pipeline-schedule {self.pipeline_schedule} holds two chunks per rank in a V: "
+                             f"--num-layers ({model.num_layers}) must be a multiple of 2 x PP and "
+                             f"--num-layers-per-virtual-pipeline-stage num_layers / (2 PP) (or unset)")
+        if self.num_layers_per_virtual_pipeline_stage and self.schedule_name(model) == "interleaved-1f1b":
+            if self.num_microbatches % self.pp:
                 raise ValueError(f"the interleaved schedule needs the number of microbatches "
                                  f"({self.num_microbatches}) to be a multiple of PP ({self.pp})")
 

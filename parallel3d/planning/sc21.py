@@ -49,7 +49,8 @@ def sc21_layout(row: SC21Row, batch: int | None = None, interleaved: bool = True
     return Layout(tensor_model_parallel_size=row.tp, pipeline_model_parallel_size=row.pp,
                   num_layers_per_virtual_pipeline_stage=row.layers_per_virtual_stage if interleaved else None,
                   data_parallel_size=row.gpus // (row.tp * row.pp), micro_batch_size=row.micro_batch,
-                  global_batch_size=batch or row.batch, recompute_granularity="full", scatter_gather_p2p=True)
+                  global_batch_size=batch or row.batch, recompute_granularity="full", scatter_gather_p2p=True,
+                  pipeline_split="even")  # Megatron's split
 
 
 def reproduce(row: SC21Row, cluster: ClusterSpec | None = None) -> tuple[StepEstimate, float]:

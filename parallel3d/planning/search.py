@@ -13,7 +13,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
-from parallel3d.pipeline.schedules import num_warmup_microbatches
+from parallel3d.pipeline.schedules import ZERO_BUBBLE, num_warmup_microbatches
 
 from .compute import optimizer_time
 from .hardware import ClusterSpec
@@ -76,7 +76,8 @@ def lower_bound(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> tuple
         n = params_on_rank(model, layout, rank)
         best = max(best, work + _dp_time(model, layout, cluster, rank, window) + optimizer_time(n, layout, cluster))
         # The most (microbatch, chunk) forwards a rank holds: its warm-up plus the first steady one.
-        inflight = min(num_warmup_microbatches(name, rank, layout.pp, M, V) + 1, M * V)
+        # (A zero-bubble schedule's count is only known from its simulation: 1, a lower bound.)
+        inflight = 1 if name in ZERO_BUBBLE else min(num_warmup_microbatches(name, rank, layout.pp, M, V) + 1, M * V)
         fits = fits and memory_breakdown(model, layout, rank, inflight).fits(cluster)
     return best, fits
 

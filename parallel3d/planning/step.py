@@ -1,7 +1,9 @@
 """One training step of a layout: stage costs -> the real schedule simulated -> DP, optimizer.
 
 The pipeline part is ``parallel3d.pipeline.simulate`` run on ``build_schedule``'s schedule with
-per-(rank, chunk) forward/backward times; there is no bubble formula here.  Simulating tens of
+per-(rank, chunk) forward/backward times (backward split into its input side B and weight
+gradients W for the zero-bubble schedules, which run W as actions of their own); there is no
+bubble formula here.  Simulating tens of
 thousands of actions takes seconds, so for many microbatches we simulate smaller counts
 M = s, 2s, 3s, ... (s a multiple of PP) until the increment per s microbatches stops changing, and
 extend linearly: once settled every schedule repeats the same steady step, so the makespan is affine in M
@@ -14,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from parallel3d.pipeline.schedules import Schedule, build_schedule
+from parallel3d.pipeline.schedules import V_SHAPED, Schedule, build_schedule
 from parallel3d.pipeline.simulate import SimResult, simulate
 
 from .comm import Group, all_gather_time, all_reduce_time, group_of, p2p_time, reduce_scatter_time
@@ -23,6 +25,7 @@ from .hardware import GIB, ClusterSpec
 from .memory import MemoryBreakdown, memory_breakdown, params_on_rank, rank_chunks
 from .model import Layout, ModelSpec, model_flops
 
+StageTimes = list[list[tuple[float, ...]]]  # [rank][chunk]: (F, B) or (F, B, W) seconds per microbatch
 MAX_SIMULATED_ACTIONS = 4000  # compute actions (2 P M V) simulated in full; more are extended linearly
 DDP_BUCKET_ELEMENTS = 40_000_000  # parallel3d's (and Megatron's) default --ddp-bucket-size
 
@@ -112,20 +115,33 @@ def _schedule(name: str, P: int, M: int, V: int) -> Schedule:
     return build_schedule(name, P, M, V)  # the search asks for the same few shapes again and again
 
 
-def _run(name: str, P: int, M: int, V: int, costs: list[list[tuple[float, float]]], comm: float) -> SimResult:
-    return simulate(_schedule(name, P, M, V), comm_time=comm, stage_costs=costs)
+def _run(name: str, P: int, M: int, V: int, costs: StageTimes, comm: float) -> SimResult:
+    """One simulation; (F, B, W) times become (F, B + W) for a schedule without W actions."""
+    schedule = _schedule(name, P, M, V)
+    if not schedule.splits_backward:
+        costs = [[(times[0], sum(times[1:])) for times in row] for row in costs]
+    # Sends do not hold up their sender (the zero-bubble paper's model): what the executor measures
+    # (bench/layouts_bench.py, 4 x H100 PP=4: ZB-H2's step 0.732 s against 0.728 s simulated so,
+    # 0.994 s with blocking sends; the other schedules time the same either way).
+    return simulate(schedule, comm_time=comm, stage_costs=costs, sends_block=False)
 
 
-def simulate_pipeline(name: str, P: int, M: int, V: int, costs: list[list[tuple[float, float]]],
-                      comm: float) -> PipelineTiming:
-    """Makespan, per-rank finish and in-flight peak of the schedule (extended linearly for large M)."""
-    busy = [M * sum(f + b for f, b in row) for row in costs]
+def schedule_times(cost: PassCost) -> tuple[float, float, float]:
+    """(F, B, W) seconds per microbatch: W the weight-gradient GEMMs, B the rest of the backward."""
+    return cost.forward, cost.backward - cost.bwd_weight, cost.bwd_weight
+
+
+def simulate_pipeline(name: str, P: int, M: int, V: int, costs: StageTimes, comm: float) -> PipelineTiming:
+    """Makespan, per-rank finish and in-flight peak of the schedule (extended linearly for large M).
+
+    ``costs[rank][chunk]``: (forward, backward) or (forward, backward input side, weight) seconds."""
+    busy = [M * sum(sum(times) for times in row) for row in costs]
     if 2 * P * M * V <= MAX_SIMULATED_ACTIONS:
         r = _run(name, P, M, V, costs, comm)
         return PipelineTiming(r.makespan, [tl[-1][1] for tl in r.timelines], busy, r.peak_inflight, r)
     # Unequal stages take a few rounds of P microbatches to settle: simulate M = s, 2s, 3s, ...
     # (s a multiple of P) until two successive increments agree, then extend from the last two.
-    step = P * max(1, math.ceil(4 / P))
+    step = P * max(2 if name in V_SHAPED else 1, math.ceil(4 / P))  # dualpipev needs M >= 2P
     runs = [(m, _run(name, P, m, V, costs, comm)) for m in (step, 2 * step)]
     while True:
         (ma, ra), (mb, rb) = runs[-2], runs[-1]
@@ -188,15 +204,15 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec, breakdown: 
     P, V, M = layout.pp, layout.virtual_stages(model), layout.num_microbatches
     name = layout.schedule_name(model)
     costs = stage_costs(model, layout, cluster)
-    fb = [[(c.forward, c.backward) for c in row] for row in costs]
+    times = [[schedule_times(c) for c in row] for row in costs]
     elem = 2 if layout.bf16 else 4
     act_bytes = layout.micro_batch_size * model.seq_length * model.hidden_size * elem
     if layout.sequence_parallel:
         act_bytes /= layout.tp
     across = P > 1 and layout.tp * layout.dp * P > cluster.gpus_per_node
     comm = p2p_time(cluster, act_bytes, across, layout.tp, layout.scatter_gather_p2p) if P > 1 else 0.0
-    timing = simulate_pipeline(name, P, M, V, fb, comm)
-    no_comm = simulate_pipeline(name, P, M, V, fb, 0.0).makespan if comm > 0 and breakdown else timing.makespan
+    timing = simulate_pipeline(name, P, M, V, times, comm)
+    no_comm = simulate_pipeline(name, P, M, V, times, 0.0).makespan if comm > 0 and breakdown else timing.makespan
 
     ends = []
     for rank in range(P):
