@@ -13,7 +13,7 @@ import argparse
 import os
 import re
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from parallel3d.training.arguments_help import add_help
 from parallel3d.training.megatron_args import (
@@ -23,6 +23,7 @@ from parallel3d.training.megatron_args import (
     add_megatron_args,
     check_megatron_args,
 )
+from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size
 from parallel3d.pipeline.schedules import SCHEDULE_NAMES, V_SHAPED
 
 
@@ -303,21 +304,31 @@ def _check_optimizer_and_schedule(args: argparse.Namespace) -> None:
                                 f"= {decay - warmup}], got {wsd}")
 
 
+_FLAG_NAMES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+               "--virtual-pipeline-model-parallel-size")
+
+
+def _layout_rule(rule: Callable[..., Any], *sizes: Any) -> Any:
+    """parallel_state's layout rule, its message naming the flags (one rule for the API and the CLI)."""
+    try:
+        return rule(*sizes, names=_FLAG_NAMES)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive DP size, virtual size and microbatch count; refuse impossible settings.
 
-    Each refusal is one ArgumentError naming the flag, its value and what it must be.
+    Each refusal is one ArgumentError naming the flag, its value and what it must be. The rules of
+    the process layout and the batch live here (the layout's shared with parallel_state); how the
+    model splits over it (layers over the pipeline stages, heads / groups / FFN / sequence over TP)
+    is the model config's rule (models/config.py), checked when the application builds it from
+    these arguments, before any work.
     """
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ArgumentError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) "
-                            "must be >= 1")
-    _check_ranges(args)
-    if world_size % (tp * pp) != 0:
-        raise ArgumentError(f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
-                            f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}")
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
+    args.data_parallel_size = _layout_rule(data_parallel_size, world_size, tp, pp)
+    _check_ranges(args)
 
     if args.num_layers_per_virtual_pipeline_stage is not None:
         if args.virtual_pipeline_model_parallel_size is not None:
@@ -332,16 +343,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     vp = args.virtual_pipeline_model_parallel_size
     if vp == 1:
         args.virtual_pipeline_model_parallel_size = vp = None
-    if vp is not None and pp == 1:
-        raise ArgumentError(f"virtual pipeline stages ({vp}) need --pipeline-model-parallel-size > 1")
+    _layout_rule(check_virtual_pipeline_size, pp, vp)
     vp = args.virtual_pipeline_model_parallel_size = _check_pipeline_schedule(args.pipeline_schedule, pp, vp)
-    stages = pp * (vp or 1)
-    explicit = (args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
-                or args.pipeline_model_parallel_layout or args.account_for_embedding_in_pipeline_split
-                or args.account_for_loss_in_pipeline_split)
-    if not explicit and args.num_layers % stages != 0:
-        raise ArgumentError(f"--num-layers ({args.num_layers}) is not divisible by the number of (virtual) "
-                            f"pipeline stages ({pp} x {vp or 1} = {stages})")
 
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
@@ -363,9 +366,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # nothing to split: Megatron also turns it off, with a warning
         _notice("--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off")
-    if args.sequence_parallel and args.seq_length % tp != 0:
-        raise ArgumentError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
-                            f"--tensor-model-parallel-size ({tp})")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive")
     if args.group_query_attention and args.num_query_groups is None:
