@@ -24,7 +24,8 @@ from parallel3d.training.megatron_args import (
     check_megatron_args,
 )
 from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size
-from parallel3d.pipeline.schedules import SCHEDULE_NAMES, V_SHAPED
+from parallel3d.pipeline.forward_backward import default_schedule_name
+from parallel3d.pipeline.schedules import SCHEDULE_NAMES, V_SHAPED, check_schedule_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -354,15 +355,15 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
                             f"({args.data_parallel_size}) = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
-    if args.pipeline_schedule == "dualpipev" and args.num_microbatches < 2 * pp:
-        raise ArgumentError(f"--pipeline-schedule dualpipev needs at least 2 x --pipeline-model-parallel-size = "
-                            f"{2 * pp} microbatches per step, got {args.num_microbatches}")
-    if vp is not None and args.num_microbatches < pp and args.pipeline_schedule not in V_SHAPED:
-        raise ArgumentError(f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
-                            f"microbatches per step, got {args.num_microbatches} (= global batch "
-                            f"{args.global_batch_size} / (micro batch {args.micro_batch_size} x DP "
-                            f"{args.data_parallel_size})); raise --global-batch-size to a multiple of {per_step} "
-                            f">= {per_step * pp}")
+    # The schedule's own rules (microbatches per stage, chunks per rank) are the schedule's: checked here,
+    # before any work, and told in the flags that set the microbatch count.
+    name = args.pipeline_schedule or default_schedule_name(pp, vp)
+    try:
+        check_schedule_args(name, pp, args.num_microbatches, vp or 1, None)
+    except ValueError as e:
+        raise ArgumentError(f"--pipeline-schedule {name}: {e} (microbatches per step = --global-batch-size "
+                            f"{args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x "
+                            f"data-parallel size {args.data_parallel_size}))") from None
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # nothing to split: Megatron also turns it off, with a warning
         _notice("--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off")
