@@ -358,12 +358,15 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     # The schedule's own rules (microbatches per stage, chunks per rank) are the schedule's: checked here,
     # before any work, and told in the flags that set the microbatch count.
     name = args.pipeline_schedule or default_schedule_name(pp, vp)
+    # 'auto' over virtual stages gets a model built in the loop placement (placement_of): interleaved chunks.
+    checked = "interleaved-1f1b" if name == "auto" and vp is not None else name
     try:
-        check_schedule_args(name, pp, args.num_microbatches, vp or 1, None)
+        check_schedule_args(checked, pp, args.num_microbatches, vp or 1, None)
     except ValueError as e:
         raise ArgumentError(f"--pipeline-schedule {name}: {e} (microbatches per step = --global-batch-size "
                             f"{args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x "
-                            f"data-parallel size {args.data_parallel_size}))") from None
+                            f"data-parallel size {args.data_parallel_size}): change --global-batch-size in "
+                            f"multiples of {per_step})") from None
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # nothing to split: Megatron also turns it off, with a warning
         _notice("--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off")
