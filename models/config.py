@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from parallel3d.parallel_state import check_virtual_pipeline_size
 from parallel3d.tensor_parallel import vocab_size_with_padding
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -228,11 +229,7 @@ class TransformerConfig:
     def _check_pipeline_split(self) -> None:
         pp, vp, layers = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size, self.num_layers
         first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
-        if vp is not None:
-            if pp == 1:
-                raise ValueError(f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size > 1")
-            if not isinstance(vp, int) or vp < 1:
-                raise ValueError(f"virtual_pipeline_model_parallel_size must be a positive integer, got {vp!r}")
+        check_virtual_pipeline_size(pp, vp)
         chunks = vp or 1
         if first is None and last is None:
             if layers % (pp * chunks) != 0:

@@ -40,27 +40,30 @@ def _coords(rank: int, sizes: dict[str, int], order: str) -> dict[str, int]:
     return coords
 
 
-def _check_sizes(world_size: int, tp: int, pp: int, vp: Optional[int], order: str) -> int:
-    if order not in _ORDERS:
-        raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
+# The layout's own names; validate_args passes its flags' names instead, so one rule (and one message)
+# serves the API and the command line.
+LAYOUT_NAMES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+
+
+def data_parallel_size(world_size: int, tp: int, pp: int, names: tuple[str, ...] = LAYOUT_NAMES) -> int:
+    """World / (TP x PP), or a ValueError naming the sizes: the one rule of the process layout."""
     if tp < 1 or pp < 1:
-        raise ValueError(
-            f"tensor_model_parallel_size ({tp}) and pipeline_model_parallel_size ({pp}) must be >= 1"
-        )
+        raise ValueError(f"{names[0]} ({tp}) and {names[1]} ({pp}) must be >= 1")
     if world_size % (tp * pp) != 0:
-        raise ValueError(
-            f"world size ({world_size}) is not divisible by tensor_model_parallel_size ({tp}) "
-            f"x pipeline_model_parallel_size ({pp}) = {tp * pp}"
-        )
-    if vp is not None:
-        if pp == 1:
-            raise ValueError(
-                f"virtual_pipeline_model_parallel_size={vp} needs pipeline_model_parallel_size > 1 "
-                "(virtual stages interleave several pipeline ranks); use None with PP=1"
-            )
-        if vp < 1:
-            raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1, got {vp}")
+        raise ValueError(f"world size ({world_size}) is not divisible by {names[0]} ({tp}) x {names[1]} ({pp}) "
+                         f"= {tp * pp}")
     return world_size // (tp * pp)
+
+
+def check_virtual_pipeline_size(pp: int, vp: Optional[int], names: tuple[str, ...] = LAYOUT_NAMES) -> None:
+    """Virtual stages (None: none) interleave several pipeline ranks: a positive size, with PP > 1."""
+    if vp is None:
+        return
+    if pp == 1:
+        raise ValueError(f"{names[2]}={vp} needs {names[1]} > 1 (virtual stages interleave several pipeline "
+                         "ranks); leave it unset with one pipeline stage")
+    if not isinstance(vp, int) or vp < 1:
+        raise ValueError(f"{names[2]} must be a positive integer, got {vp!r}")
 
 
 def build_group_ranks(
@@ -76,7 +79,9 @@ def build_group_ranks(
     Each group's ranks are ordered by the coordinate that varies inside it.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    dp = _check_sizes(world_size, tp, pp, None, order)
+    if order not in _ORDERS:
+        raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
+    dp = data_parallel_size(world_size, tp, pp)
     sizes = {"tp": tp, "dp": dp, "pp": pp}
     coords = [_coords(r, sizes, order) for r in range(world_size)]
 
@@ -181,11 +186,10 @@ def initialize_model_parallel(
             "call destroy_model_parallel() first"
         )
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    dp = _check_sizes(
-        world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size, order,
-    )
+    # build_group_ranks checks the sizes and the order; the virtual size only matters for the stage queries.
     tables = build_group_ranks(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, order)
+    check_virtual_pipeline_size(pipeline_model_parallel_size, virtual_pipeline_model_parallel_size)
+    dp = world_size // (tensor_model_parallel_size * pipeline_model_parallel_size)
     groups: dict[str, dist.ProcessGroup] = {}
     mine: dict[str, list[int]] = {}
     for kind, table in tables.items():

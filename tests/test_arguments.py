@@ -113,7 +113,13 @@ BAD = [
     (["--pipeline-schedule", "zb-h2", "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
       "2"], 2, r"zb-h2 runs one chunk per rank"),
     (["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "2"], 2,
-     r"dualpipev needs at least 2 x --pipeline-model-parallel-size = 4 microbatches per step, got 1"),
+     r"--pipeline-schedule dualpipev: 'dualpipev' needs num_microbatches >= 2 \* num_stages = 4 .*got 1.*"
+     r"--global-batch-size 4 / \(--micro-batch-size 4 x data-parallel size 1\)"),
+    (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], 2,
+     r"--pipeline-schedule interleaved-1f1b: 'interleaved-1f1b' needs num_microbatches >= num_stages.*"
+     r"got num_microbatches=1 < num_stages=2"),
+    (["--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "2"], 1,
+     r"--virtual-pipeline-model-parallel-size=2 needs --pipeline-model-parallel-size > 1"),
 ]
 
 

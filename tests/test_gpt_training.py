@@ -181,7 +181,7 @@ def _main_error(argv, world_size, monkeypatch):
 
 @pytest.mark.parametrize("argv,world,message", [
     (["--tensor-model-parallel-size", "3"], 4, r"world size \(4\) is not divisible by --tensor-model-parallel-size \(3\)"),
-    (["--num-layers", "6", "--pipeline-model-parallel-size", "4"], 4, r"--num-layers \(6\) is not divisible"),
+    (["--num-layers", "6", "--pipeline-model-parallel-size", "4"], 4, r"num_layers \(6\) is not divisible"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"], 1, r"--global-batch-size \(10\) is not divisible"),
     (["--num-attention-heads", "6", "--tensor-model-parallel-size", "4"], 4, r"num_attention_heads \(6\)"),
     (["--data-path", "/nonexistent/corpus_text_document"], 1, r"missing file /nonexistent/corpus_text_document.idx"),

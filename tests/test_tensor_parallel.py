@@ -331,6 +331,26 @@ def test_layers_without_process_group_are_dense():
     torch.testing.assert_close(layer(x)[0], x @ ref.t())
 
 
+def test_layers_take_sequence_parallel_as_given_and_it_is_an_identity_with_one_tp_rank():
+    # The config turns SP off when TP is 1; a layer built directly keeps what it is given, and with one
+    # TP rank a sequence shard is the whole sequence: the same numbers as without SP.
+    x = torch.randn(5, 2, 6)
+    outs = []
+    for sp in (False, True):
+        torch.manual_seed(4)
+        col = tp.ColumnParallelLinear(6, 8, sequence_parallel=sp)
+        row = tp.RowParallelLinear(8, 6, sequence_parallel=sp)
+        assert col.sequence_parallel is sp and row.sequence_parallel is sp and row.bias.sequence_parallel is sp
+        xi = x.clone().requires_grad_()
+        out = row(col(xi)[0])[0]
+        out.sum().backward()
+        outs.append((out.detach(), xi.grad, col.weight.grad, row.weight.grad, row.bias.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="sequence_parallel=True requires input_is_parallel=True"):
+        tp.RowParallelLinear(4, 4, sequence_parallel=True, input_is_parallel=False)
+
+
 def test_bad_sizes_raise_clear_errors():
     with pytest.raises(ValueError, match=r"ColumnParallelLinear output_size \(10\) is not divisible by 4"):
         tp.divide(10, 4, "ColumnParallelLinear output_size")

@@ -160,8 +160,9 @@ class Schedule:
 
 # --- argument checks ----------------------------------------------------------------------------
 
-def _check_args(name: str, num_stages: int, num_microbatches: int, num_model_chunks: int,
-                group_size: int | None) -> None:
+def check_schedule_args(name: str, num_stages: int, num_microbatches: int, num_model_chunks: int,
+                        group_size: int | None) -> None:
+    """The schedule's rules (its stage, microbatch and chunk counts): a ValueError naming them, else None."""
     _known(name)
     P, M, V = num_stages, num_microbatches, num_model_chunks
     for arg, value in (("num_stages", P), ("num_microbatches", M), ("num_model_chunks", V)):
@@ -423,7 +424,7 @@ def _one_chunk(order: Callable[[int, int], Order]) -> Builder:
     return lambda P, M, V, G: _add_comm(P, V, order(P, M))
 
 
-# Name -> builder. A new schedule registers here; _check_args and the tests read the names.
+# Name -> builder. A new schedule registers here; check_schedule_args and the tests read the names.
 SCHEDULES: dict[str, Builder] = {
     "no-pipelining": _one_chunk(_no_pipelining_order),
     "gpipe": _one_chunk(_gpipe_order),
@@ -472,12 +473,12 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_model_
     if name == "auto":
         from .auto_schedule import auto_schedule
 
-        _check_args(name, num_stages, num_microbatches, V, kw.pop("microbatch_group_size_per_vp_stage", None))
+        check_schedule_args(name, num_stages, num_microbatches, V, kw.pop("microbatch_group_size_per_vp_stage", None))
         return auto_schedule(num_stages, num_microbatches, V, **kw)
     group_size = kw.pop("microbatch_group_size_per_vp_stage", None)
     if kw:
         raise TypeError(f"build_schedule got unexpected keyword arguments {sorted(kw)}; "
                         f"the only option is microbatch_group_size_per_vp_stage")
-    _check_args(name, num_stages, num_microbatches, V, group_size)
+    check_schedule_args(name, num_stages, num_microbatches, V, group_size)
     actions = SCHEDULES[name](num_stages, num_microbatches, V, group_size)
     return Schedule(name, num_stages, num_microbatches, V, actions, "v" if name in V_SHAPED else "loop")

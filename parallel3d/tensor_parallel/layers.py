@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -75,28 +75,47 @@ def _init_partition(weight: torch.Tensor, full_shape: tuple[int, int], partition
 
 
 class _ParallelLinear(nn.Module):
-    """What Column- and RowParallelLinear share: the group, the flags, the partitioned weight."""
+    """What Column- and RowParallelLinear share: their keywords, the group, the weight split along
+    ``partition_dim`` and the bias (split with the output of a column layer, whole for a row layer).
 
-    def _build(self, input_size: int, output_size: int, partition_dim: int, *, tp_group, sequence_parallel: bool,
-               gradient_accumulation_fusion: bool, params_dtype: torch.dtype, device: Optional[torch.device],
-               init_method: Optional[InitMethod], stride: int, allocate_weight: bool = True) -> int:
-        """Set the common attributes and the weight (split along ``partition_dim``); return the TP size."""
+    ``sequence_parallel`` is taken as given (Megatron-Core's layers trust their config): the model
+    config and the arguments are where it is turned off, with a warning, when TP is 1. A layer built
+    directly with one TP rank and ``sequence_parallel=True`` computes the same as without it: a
+    sequence shard of one rank is the whole sequence, so its gathers and reduce-scatters are identities.
+    """
+
+    def __init__(self, input_size: int, output_size: int, partition_dim: int, *, bias: bool = True,
+                 init_method: Optional[InitMethod] = None, stride: int = 1, skip_bias_add: bool = False,
+                 sequence_parallel: bool = False, gradient_accumulation_fusion: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                 tp_group: Optional[dist.ProcessGroup] = None, allocate_weight: bool = True) -> None:
+        super().__init__()
         self.tp_group = resolve_tp_group(tp_group)
         rank, world = group_rank_and_size(self.tp_group)
         self.input_size, self.output_size = input_size, output_size
-        self.sequence_parallel = sequence_parallel and world > 1
+        self.sequence_parallel = sequence_parallel
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.skip_bias_add = skip_bias_add
         self.device = device or default_device()
+        shape = [output_size, input_size]
+        what = f"{type(self).__name__} {'output' if partition_dim == 0 else 'input'}_size"
+        shape[partition_dim] = divide(shape[partition_dim], world, what)
+        self.output_size_per_partition, self.input_size_per_partition = shape
         self.weight = None  # supplied at forward time without allocation (e.g. a tied output layer)
         if allocate_weight:
-            shape = [output_size, input_size]
-            what = f"{type(self).__name__} {'output' if partition_dim == 0 else 'input'}_size"
-            shape[partition_dim] = divide(shape[partition_dim], world, what)
             self.weight = nn.Parameter(torch.empty(shape, dtype=params_dtype, device=self.device))
             _init_partition(self.weight, (output_size, input_size), partition_dim,
                             init_method or init_method_normal(0.02), rank, world, stride)
             set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride)
-        return world
+        if not bias:
+            self.register_parameter("bias", None)
+            return
+        # Megatron initialises biases to zero; zero slices are layout-independent.
+        self.bias = nn.Parameter(torch.zeros(shape[0], dtype=params_dtype, device=self.device))
+        if partition_dim == 0:
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:  # replicated; applied to a sequence shard under SP, so its gradient needs a TP sum
+            self.bias.sequence_parallel = sequence_parallel
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, weight={None if self.weight is None else tuple(self.weight.shape)}, "
@@ -208,41 +227,16 @@ class ColumnParallelLinear(_ParallelLinear):
     caller adds it, typically fused with the next op).
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        *,
-        bias: bool = True,
-        gather_output: bool = False,
-        init_method: Optional[InitMethod] = None,
-        stride: int = 1,
-        skip_bias_add: bool = False,
-        sequence_parallel: bool = False,
-        gradient_accumulation_fusion: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: Optional[torch.device] = None,
-        skip_weight_param_allocation: bool = False,
-        tp_group: Optional[dist.ProcessGroup] = None,
-    ):
-        super().__init__()
-        if gather_output and sequence_parallel:
+    def __init__(self, input_size: int, output_size: int, *, gather_output: bool = False,
+                 skip_weight_param_allocation: bool = False, **common: Any) -> None:
+        """``common``: the keywords both linear layers take (:class:`_ParallelLinear`: bias, init_method,
+        stride, skip_bias_add, sequence_parallel, gradient_accumulation_fusion, params_dtype, device, tp_group)."""
+        if gather_output and common.get("sequence_parallel", False):
             raise ValueError("ColumnParallelLinear: gather_output=True is incompatible with sequence_parallel=True")
-        world = self._build(input_size, output_size, 0, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                            gradient_accumulation_fusion=gradient_accumulation_fusion, params_dtype=params_dtype,
-                            device=device, init_method=init_method, stride=stride,
-                            allocate_weight=not skip_weight_param_allocation)
-        self.output_size_per_partition = divide(output_size, world, "ColumnParallelLinear output_size")
+        super().__init__(input_size, output_size, 0, allocate_weight=not skip_weight_param_allocation, **common)
         self.gather_output = gather_output
-        self.skip_bias_add = skip_bias_add
-        self.allreduce_dgrad = world > 1 and not self.sequence_parallel
-        if bias:
-            # Megatron initialises biases to zero; zero slices are layout-independent.
-            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype,
-                                                 device=self.device))
-            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
-        else:
-            self.register_parameter("bias", None)
+        # Without SP the input is replicated over TP: its gradient is summed over TP.
+        self.allreduce_dgrad = group_rank_and_size(self.tp_group)[1] > 1 and not self.sequence_parallel
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
         if weight is None:
@@ -276,37 +270,12 @@ class RowParallelLinear(_ParallelLinear):
     sequence shard [s/tp, b, out] with ``sequence_parallel`` (reduce-scatter).
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        *,
-        bias: bool = True,
-        input_is_parallel: bool = True,
-        init_method: Optional[InitMethod] = None,
-        stride: int = 1,
-        skip_bias_add: bool = False,
-        sequence_parallel: bool = False,
-        gradient_accumulation_fusion: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: Optional[torch.device] = None,
-        tp_group: Optional[dist.ProcessGroup] = None,
-    ):
-        super().__init__()
-        world = self._build(input_size, output_size, 1, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                            gradient_accumulation_fusion=gradient_accumulation_fusion, params_dtype=params_dtype,
-                            device=device, init_method=init_method, stride=stride)
-        if sequence_parallel and not input_is_parallel and world > 1:
+    def __init__(self, input_size: int, output_size: int, *, input_is_parallel: bool = True, **common: Any) -> None:
+        """``common``: the keywords both linear layers take (see :class:`ColumnParallelLinear`)."""
+        if common.get("sequence_parallel", False) and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
-        self.input_size_per_partition = divide(input_size, world, "RowParallelLinear input_size")
+        super().__init__(input_size, output_size, 1, **common)
         self.input_is_parallel = input_is_parallel
-        self.skip_bias_add = skip_bias_add
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=self.device))
-            # Replicated; applied to a sequence shard under SP, so its gradient needs a TP sum.
-            self.bias.sequence_parallel = self.sequence_parallel
-        else:
-            self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor):
         x_parallel = x if self.input_is_parallel else scatter_to_tensor_model_parallel_region(x, self.tp_group)

@@ -13,7 +13,7 @@ import argparse
 import os
 import re
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from parallel3d.training.arguments_help import add_help
 from parallel3d.training.megatron_args import (
@@ -23,7 +23,9 @@ from parallel3d.training.megatron_args import (
     add_megatron_args,
     check_megatron_args,
 )
-from parallel3d.pipeline.schedules import SCHEDULE_NAMES, V_SHAPED
+from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size
+from parallel3d.pipeline.forward_backward import default_schedule_name
+from parallel3d.pipeline.schedules import SCHEDULE_NAMES, V_SHAPED, check_schedule_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -303,21 +305,31 @@ def _check_optimizer_and_schedule(args: argparse.Namespace) -> None:
                                 f"= {decay - warmup}], got {wsd}")
 
 
+_FLAG_NAMES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+               "--virtual-pipeline-model-parallel-size")
+
+
+def _layout_rule(rule: Callable[..., Any], *sizes: Any) -> Any:
+    """parallel_state's layout rule, its message naming the flags (one rule for the API and the CLI)."""
+    try:
+        return rule(*sizes, names=_FLAG_NAMES)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive DP size, virtual size and microbatch count; refuse impossible settings.
 
-    Each refusal is one ArgumentError naming the flag, its value and what it must be.
+    Each refusal is one ArgumentError naming the flag, its value and what it must be. The rules of
+    the process layout and the batch live here (the layout's shared with parallel_state); how the
+    model splits over it (layers over the pipeline stages, heads / groups / FFN / sequence over TP)
+    is the model config's rule (models/config.py), checked when the application builds it from
+    these arguments, before any work.
     """
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ArgumentError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) "
-                            "must be >= 1")
-    _check_ranges(args)
-    if world_size % (tp * pp) != 0:
-        raise ArgumentError(f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
-                            f"x --pipeline-model-parallel-size ({pp}) = {tp * pp}")
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
+    args.data_parallel_size = _layout_rule(data_parallel_size, world_size, tp, pp)
+    _check_ranges(args)
 
     if args.num_layers_per_virtual_pipeline_stage is not None:
         if args.virtual_pipeline_model_parallel_size is not None:
@@ -332,16 +344,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     vp = args.virtual_pipeline_model_parallel_size
     if vp == 1:
         args.virtual_pipeline_model_parallel_size = vp = None
-    if vp is not None and pp == 1:
-        raise ArgumentError(f"virtual pipeline stages ({vp}) need --pipeline-model-parallel-size > 1")
+    _layout_rule(check_virtual_pipeline_size, pp, vp)
     vp = args.virtual_pipeline_model_parallel_size = _check_pipeline_schedule(args.pipeline_schedule, pp, vp)
-    stages = pp * (vp or 1)
-    explicit = (args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
-                or args.pipeline_model_parallel_layout or args.account_for_embedding_in_pipeline_split
-                or args.account_for_loss_in_pipeline_split)
-    if not explicit and args.num_layers % stages != 0:
-        raise ArgumentError(f"--num-layers ({args.num_layers}) is not divisible by the number of (virtual) "
-                            f"pipeline stages ({pp} x {vp or 1} = {stages})")
 
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
@@ -351,21 +355,21 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
                             f"({args.data_parallel_size}) = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
-    if args.pipeline_schedule == "dualpipev" and args.num_microbatches < 2 * pp:
-        raise ArgumentError(f"--pipeline-schedule dualpipev needs at least 2 x --pipeline-model-parallel-size = "
-                            f"{2 * pp} microbatches per step, got {args.num_microbatches}")
-    if vp is not None and args.num_microbatches < pp and args.pipeline_schedule not in V_SHAPED:
-        raise ArgumentError(f"interleaved pipelining needs at least --pipeline-model-parallel-size ({pp}) "
-                            f"microbatches per step, got {args.num_microbatches} (= global batch "
-                            f"{args.global_batch_size} / (micro batch {args.micro_batch_size} x DP "
-                            f"{args.data_parallel_size})); raise --global-batch-size to a multiple of {per_step} "
-                            f">= {per_step * pp}")
+    # The schedule's own rules (microbatches per stage, chunks per rank) are the schedule's: checked here,
+    # before any work, and told in the flags that set the microbatch count.
+    name = args.pipeline_schedule or default_schedule_name(pp, vp)
+    # 'auto' over virtual stages gets a model built in the loop placement (placement_of): interleaved chunks.
+    checked = "interleaved-1f1b" if name == "auto" and vp is not None else name
+    try:
+        check_schedule_args(checked, pp, args.num_microbatches, vp or 1, None)
+    except ValueError as e:
+        raise ArgumentError(f"--pipeline-schedule {name}: {e} (microbatches per step = --global-batch-size "
+                            f"{args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x "
+                            f"data-parallel size {args.data_parallel_size}): change --global-batch-size in "
+                            f"multiples of {per_step})") from None
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # nothing to split: Megatron also turns it off, with a warning
         _notice("--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off")
-    if args.sequence_parallel and args.seq_length % tp != 0:
-        raise ArgumentError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
-                            f"--tensor-model-parallel-size ({tp})")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive")
     if args.group_query_attention and args.num_query_groups is None:
