@@ -147,7 +147,7 @@ def layer_partition(args: argparse.Namespace, config: Optional[TransformerConfig
     (without it: --vocab-size)."""
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    placement = placement_of(getattr(args, "pipeline_schedule", None))
+    placement = placement_of(getattr(args, "pipeline_schedule", None), vp)
     if first is None and last is None:
         try:  # a layout string, the account-for flags, or the FLOPs-balanced default
             counts = layer_counts(args, pp * vp, config.padded_vocab_size if config is not None else None)

@@ -115,6 +115,8 @@ BAD = [
     (["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "2"], 2,
      r"--pipeline-schedule dualpipev: 'dualpipev' needs num_microbatches >= 2 \* num_stages = 4 .*got 1.*"
      r"--global-batch-size 4 / \(--micro-batch-size 4 x data-parallel size 1\)"),
+    (["--pipeline-schedule", "auto", "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
+      "3"], 2, r"auto runs one chunk per rank, or two in a V: --virtual-pipeline-model-parallel-size must be 2"),
     (["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"], 2,
      r"--pipeline-schedule interleaved-1f1b: 'interleaved-1f1b' needs num_microbatches >= num_stages.*"
      r"got num_microbatches=1 < num_stages=2"),

@@ -39,6 +39,7 @@ ZB_LAYOUTS = [
     ("gpt2", 2, 2, 1, True, ["--pipeline-schedule", "zb-h1", "--overlap-grad-reduce", "--use-distributed-optimizer"]),
     ("gpt2", 1, 2, 2, False, ["--pipeline-schedule", "zb-v", "--overlap-grad-reduce", "--recompute-granularity", "full"]),
     ("llama", 2, 2, 2, True, ["--pipeline-schedule", "dualpipev", "--use-distributed-optimizer"]),
+    ("gpt2", 1, 2, 2, False, ["--pipeline-schedule", "auto"]),  # over two chunks: a V-shaped pick
     ("llama", 1, 4, 1, False, ["--pipeline-schedule", "zb-h2", "--recompute-granularity", "full",
                                "--overlap-grad-reduce", "--pipeline-model-parallel-layout", "Ettt|tt|tt|tL"]),
 ]

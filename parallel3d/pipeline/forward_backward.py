@@ -20,7 +20,7 @@ from parallel3d import parallel_state
 
 from .executor import PipelineGroup, ScheduleExecutor
 from .p2p import TensorSpec
-from .schedules import V_SHAPED, Schedule, ScheduleError, build_schedule, forward_only_schedule
+from .schedules import Schedule, ScheduleError, build_schedule, forward_only_schedule, placement_of
 from .simulate import validate
 from .zero_bubble import hoist_receives_over_w
 
@@ -77,9 +77,12 @@ def _checked_schedule(name: str, stages: int, microbatches: int, chunks: int, fo
     ``negotiate_shapes`` (variable_seq_lengths): also deadlock-free when each batch exchanges
     shape headers first; a zero-bubble order that is not gets its receives hoisted over W."""
     if forward_only:  # any microbatch count works without backwards
-        placement = "v" if name in V_SHAPED else "loop"  # the model chunks were built for it
-        return forward_only_schedule(Schedule(name, stages, microbatches, chunks, (), placement))
+        # the placement the model chunks were built for
+        return forward_only_schedule(Schedule(name, stages, microbatches, chunks, (), placement_of(name, chunks)))
     schedule = build_schedule(name, stages, microbatches, chunks)
+    if schedule.placement != placement_of(name, chunks):
+        raise ScheduleError(f"schedule {schedule.name!r} places chunks in a {schedule.placement!r} shape, but the "
+                            f"model was built for {placement_of(name, chunks)!r} (placement_of)")
     validate(schedule)
     if negotiate_shapes:
         try:

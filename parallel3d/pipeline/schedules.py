@@ -213,9 +213,11 @@ def default_num_model_chunks(name: str) -> int:
     return 2 if name in V_SHAPED else 1
 
 
-def placement_of(name: Optional[str]) -> str:
-    """Where a schedule puts each rank's chunks: what the model must be built for."""
-    return "v" if name in V_SHAPED else "loop"
+def placement_of(name: Optional[str], num_model_chunks: int = 1) -> str:
+    """Where a schedule puts each rank's chunks: what the model must be built for.
+
+    'auto' over two chunks picks among the V-shaped schedules (auto_schedule.candidates)."""
+    return "v" if name in V_SHAPED or (name == "auto" and num_model_chunks == 2) else "loop"
 
 
 def _check_zero_bubble_args(name: str, P: int, M: int, V: int, group_size: int | None) -> None:

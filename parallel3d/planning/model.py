@@ -208,7 +208,7 @@ class Layout:
 
     def placement(self, model: ModelSpec) -> str:
         """Which virtual stage each (rank, chunk) holds: "v" for zb-v / dualpipev, else "loop"."""
-        return placement_of(self.schedule_name(model))
+        return placement_of(self.schedule_name(model), self.virtual_stages(model))
 
     def describe(self, model: ModelSpec) -> str:
         v = self.virtual_stages(model)

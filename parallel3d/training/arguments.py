@@ -224,6 +224,9 @@ def _check_pipeline_schedule(name: Optional[str], pp: int, vp: Optional[int]) ->
             raise ArgumentError(f"--pipeline-schedule {name} holds two chunks per rank in a V: "
                                 f"--virtual-pipeline-model-parallel-size must be 2 (or unset), got {vp}")
         return 2
+    if name == "auto" and vp not in (None, 2):
+        raise ArgumentError(f"--pipeline-schedule auto runs one chunk per rank, or two in a V: "
+                            f"--virtual-pipeline-model-parallel-size must be 2 or unset, got {vp}")
     if name == "interleaved-1f1b" and vp is None:
         raise ArgumentError("--pipeline-schedule interleaved-1f1b needs --virtual-pipeline-model-parallel-size > 1")
     if name not in ("interleaved-1f1b", "auto") and vp is not None:
@@ -358,8 +361,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     # The schedule's own rules (microbatches per stage, chunks per rank) are the schedule's: checked here,
     # before any work, and told in the flags that set the microbatch count.
     name = args.pipeline_schedule or default_schedule_name(pp, vp)
-    # 'auto' over virtual stages gets a model built in the loop placement (placement_of): interleaved chunks.
-    checked = "interleaved-1f1b" if name == "auto" and vp is not None else name
+    # 'auto' over two chunks chooses among the V-shaped schedules (placement_of): ZB-V's rules apply.
+    checked = "zb-v" if name == "auto" and vp is not None else name
     try:
         check_schedule_args(checked, pp, args.num_microbatches, vp or 1, None)
     except ValueError as e:

@@ -93,7 +93,7 @@ def get_model(model_provider: Callable[..., torch.nn.Module], config: TrainingCo
     state = parallel_state.resolve_parallel_state()
     chunks = []
     P, V = state.pipeline_model_parallel_size, config.layout.virtual_pipeline_model_parallel_size or 1
-    placement = placement_of(config.layout.pipeline_schedule)  # ZB-V / DualPipeV: a V
+    placement = placement_of(config.layout.pipeline_schedule, V)  # ZB-V / DualPipeV (auto over 2 chunks): a V
     for c in range(V):
         v = virtual_stage(state.pipeline_model_parallel_rank, c, P, placement)
         pre, post = v == 0, v == P * V - 1
