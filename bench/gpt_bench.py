@@ -196,7 +196,8 @@ def main(argv=None) -> None:
         # (F, B) or, where the schedule splits backward, (F, B, W) per (rank, chunk)
         stage_costs = {(r, c): tuple(gathered[r][(c, k)] for k in "FBW" if (c, k) in gathered[r])
                        for r in range(P) for c in range(V)}
-        sched = build_schedule(result["schedule"], P, args.num_microbatches, V)
+        sched = build_schedule(result["schedule"], P, args.num_microbatches, V, hidden_size=args.hidden_size,
+                               seq_length=args.seq_length)  # 'auto' picks as the training step did
         predicted = simulate(sched, stage_costs=stage_costs)
         # What the same measured times predict in the paper's model (sends never wait): the gap
         # to `predicted` is what the executor's blocking comm batches cost this schedule.

@@ -4,16 +4,11 @@ import itertools
 import pytest
 
 from parallel3d.pipeline import visualize
-from parallel3d.pipeline.auto_schedule import auto_schedule
+from parallel3d.pipeline.auto_schedule import auto_schedule, paper_costs
 from parallel3d.pipeline.schedules import Action, Schedule, ScheduleError, build_schedule
 from parallel3d.pipeline.simulate import simulate, validate
 
 ZB = ("zb-h1", "zb-h2", "zb-v", "dualpipev")
-
-
-def _table2_times(h: float, s: float) -> tuple[float, float, float, float, float]:
-    """T_F, T_B, T_W and M_B, M_W of one transformer layer (the paper's Table 1, per b and a units)."""
-    return 24 * h + 4 * s, 24 * h + 8 * s, 24 * h, 34 * h + 5 * s, 32 * h
 
 
 @pytest.mark.parametrize("P,k", itertools.product((2, 4, 8), (1, 2, 3, 4)))
@@ -30,7 +25,7 @@ def test_table2_of_the_zero_bubble_paper(P, k, h, s):
       microbatches to fill its warm-up; at M = P it is ZB-H1: bubble (P-1)(T_F+T_B-T_W)).
     """
     M = k * P
-    F, B, W, MB, MW = _table2_times(h, s)
+    F, B, W, MB, MW = paper_costs(h, s)
     expected = {"1f1b": ((P - 1) * (F + B + W), P * MB), "zb-h1": ((P - 1) * (F + B - W), P * MB),
                 "zb-h2": ((P - 1) * (F + B - 2 * W), (2 * P - 1) * MB) if M >= 2 * P
                 else ((P - 1) * (F + B - W), P * MB)}

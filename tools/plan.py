@@ -101,7 +101,8 @@ def timeline(est: StepEstimate) -> str:
     unit = min(c["F"] for c in costs.values())
     q = [[(max(1, round(costs[(r, c)]["F"] / unit)), max(1, round(costs[(r, c)]["B"] / unit))) for c in range(V)]
          for r in range(P)]
-    result = simulate(build_schedule(L.schedule_name(m), P, M, V), stage_costs=q)
+    schedule = build_schedule(L.schedule_name(m), P, M, V, hidden_size=m.hidden_size, seq_length=m.seq_length)
+    result = simulate(schedule, stage_costs=q)
     return (f"timeline of {M} of {L.num_microbatches} microbatches, 1 column = {unit * 1e3:.1f} ms "
             f"(F/B = forward/backward of microbatch.chunk, '.' = idle):\n" + text_timeline(result))
 

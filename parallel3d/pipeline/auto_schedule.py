@@ -24,6 +24,29 @@ from .simulate import SimResult, simulate, validate
 from .zero_bubble import greedy_orders, with_comm
 
 
+def paper_costs(hidden_size: float, seq_length: float) -> tuple[float, float, float, float, float]:
+    """A transformer layer's T_F, T_B, T_W, M_B, M_W by the zero-bubble paper's Table 1.
+
+    Per token, up to a common factor: T_F = 24h + 4s, T_B = 24h + 8s, T_W = 24h FLOPs; a
+    microbatch holds 34h + 5s activation units until its B and 32h of them until its W.
+    What 'auto' ranks its candidates by when nothing was measured (Qi et al., ICLR 2024).
+    """
+    h, s = hidden_size, seq_length
+    return 24 * h + 4 * s, 24 * h + 8 * s, 24 * h, 34 * h + 5 * s, 32 * h
+
+
+def auto_options(hidden_size: Optional[int] = None, seq_length: Optional[int] = None) -> dict:
+    """build_schedule('auto', ...)'s options where nothing was measured: the model's shape by
+    paper_costs (unit times without one), and sends that do not wait, as NCCL ran them (4 x H100,
+    PP=4 ZB-H2: 0.732 s measured, 0.729 s simulated so, 0.996 s with blocking sends; BENCHMARKS.md).
+    Training, the benchmark and the planner all build 'auto' through this, so they pick alike."""
+    options: dict = {"sends_block": False}
+    if hidden_size and seq_length:
+        f, b, w, m_b, m_w = paper_costs(hidden_size, seq_length)
+        options.update(forward_time=f, backward_time=b, weight_time=w, weight_fraction=m_w / m_b)
+    return options
+
+
 def _greedy(P: int, M: int, V: int, limit: int, times: tuple[float, float, float], comm_time: float) -> Schedule:
     """The list scheduler at ``limit`` chunk-activations per rank (staggered by rank, as in 1F1B)."""
     placement = "v" if V == 2 else "loop"

@@ -71,15 +71,17 @@ def default_schedule_name(pipeline_size: int, virtual_size: Optional[int]) -> st
 
 @functools.lru_cache(maxsize=64)
 def _checked_schedule(name: str, stages: int, microbatches: int, chunks: int, forward_only: bool,
-                      negotiate_shapes: bool = False) -> Schedule:
+                      negotiate_shapes: bool = False, layer_shape: Optional[tuple[int, int]] = None) -> Schedule:
     """Built and validated once per shape; Schedule is frozen, so sharing the cached object is safe.
 
     ``negotiate_shapes`` (variable_seq_lengths): also deadlock-free when each batch exchanges
-    shape headers first; a zero-bubble order that is not gets its receives hoisted over W."""
+    shape headers first; a zero-bubble order that is not gets its receives hoisted over W.
+    ``layer_shape`` (hidden size, sequence length): what 'auto' weighs its candidates by."""
     if forward_only:  # any microbatch count works without backwards
         # the placement the model chunks were built for
         return forward_only_schedule(Schedule(name, stages, microbatches, chunks, (), placement_of(name, chunks)))
-    schedule = build_schedule(name, stages, microbatches, chunks)
+    hidden_size, seq_length = layer_shape or (None, None)
+    schedule = build_schedule(name, stages, microbatches, chunks, hidden_size=hidden_size, seq_length=seq_length)
     if schedule.placement != placement_of(name, chunks):
         raise ScheduleError(f"schedule {schedule.name!r} places chunks in a {schedule.placement!r} shape, but the "
                             f"model was built for {placement_of(name, chunks)!r} (placement_of)")
@@ -147,8 +149,10 @@ def forward_backward(
         raise ValueError(f"virtual_pipeline_model_parallel_size is {vp} but the model has {len(chunks)} "
                          f"chunk(s) on this rank: build one chunk per virtual stage")
     name = schedule or default_schedule_name(stages, len(chunks) if len(chunks) > 1 else None)
+    known = config.hidden_size is not None and seq_length is not None
     sched = _checked_schedule(name, stages, num_microbatches, len(chunks), forward_only,
-                              config.variable_seq_lengths and stages > 1)
+                              config.variable_seq_lengths and stages > 1,
+                              (config.hidden_size, seq_length) if known else None)
 
     recv_spec = None
     if stages > 1 and not config.variable_seq_lengths:

@@ -468,15 +468,17 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_model_
 
     num_model_chunks defaults to 2 for the V-shaped schedules ('zb-v', 'dualpipev'), else 1.
     Keyword options: microbatch_group_size_per_vp_stage (interleaved only; default num_stages);
-    for 'auto' those of :func:`parallel3d.pipeline.auto_schedule.auto_schedule` (measured times,
-    memory limit).
+    hidden_size and seq_length, the model's shape, which only 'auto' uses (auto_options); for
+    'auto' also those of :func:`parallel3d.pipeline.auto_schedule.auto_schedule` (measured times,
+    memory limit), which win over the shape's.
     """
     V = default_num_model_chunks(name) if num_model_chunks is None else num_model_chunks
+    shape = kw.pop("hidden_size", None), kw.pop("seq_length", None)
     if name == "auto":
-        from .auto_schedule import auto_schedule
+        from .auto_schedule import auto_options, auto_schedule
 
         check_schedule_args(name, num_stages, num_microbatches, V, kw.pop("microbatch_group_size_per_vp_stage", None))
-        return auto_schedule(num_stages, num_microbatches, V, **kw)
+        return auto_schedule(num_stages, num_microbatches, V, **{**auto_options(*shape), **kw})
     group_size = kw.pop("microbatch_group_size_per_vp_stage", None)
     if kw:
         raise TypeError(f"build_schedule got unexpected keyword arguments {sorted(kw)}; "

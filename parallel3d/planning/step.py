@@ -111,13 +111,15 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> list[
 
 
 @functools.lru_cache(maxsize=32)
-def _schedule(name: str, P: int, M: int, V: int) -> Schedule:
-    return build_schedule(name, P, M, V)  # the search asks for the same few shapes again and again
+def _schedule(name: str, P: int, M: int, V: int, shape: tuple[int, ...] = ()) -> Schedule:
+    # the search asks for the same few shapes again and again; ``shape`` (hidden, seq) steers 'auto'
+    hidden_size, seq_length = shape or (None, None)
+    return build_schedule(name, P, M, V, hidden_size=hidden_size, seq_length=seq_length)
 
 
-def _run(name: str, P: int, M: int, V: int, costs: StageTimes, comm: float) -> SimResult:
+def _run(name: str, P: int, M: int, V: int, costs: StageTimes, comm: float, shape: tuple[int, ...] = ()) -> SimResult:
     """One simulation; (F, B, W) times become (F, B + W) for a schedule without W actions."""
-    schedule = _schedule(name, P, M, V)
+    schedule = _schedule(name, P, M, V, shape)
     if not schedule.splits_backward:
         costs = [[(times[0], sum(times[1:])) for times in row] for row in costs]
     # Sends do not hold up their sender (the zero-bubble paper's model): what the executor measures
@@ -131,25 +133,27 @@ def schedule_times(cost: PassCost) -> tuple[float, float, float]:
     return cost.forward, cost.backward - cost.bwd_weight, cost.bwd_weight
 
 
-def simulate_pipeline(name: str, P: int, M: int, V: int, costs: StageTimes, comm: float) -> PipelineTiming:
+def simulate_pipeline(name: str, P: int, M: int, V: int, costs: StageTimes, comm: float,
+                      shape: tuple[int, ...] = ()) -> PipelineTiming:
     """Makespan, per-rank finish and in-flight peak of the schedule (extended linearly for large M).
 
-    ``costs[rank][chunk]``: (forward, backward) or (forward, backward input side, weight) seconds."""
+    ``costs[rank][chunk]``: (forward, backward) or (forward, backward input side, weight) seconds;
+    ``shape``: the model's (hidden size, sequence length), from which 'auto' picks as training does."""
     busy = [M * sum(sum(times) for times in row) for row in costs]
     if 2 * P * M * V <= MAX_SIMULATED_ACTIONS:
-        r = _run(name, P, M, V, costs, comm)
+        r = _run(name, P, M, V, costs, comm, shape)
         return PipelineTiming(r.makespan, [tl[-1][1] for tl in r.timelines], busy, r.peak_inflight, r)
     # Unequal stages take a few rounds of P microbatches to settle: simulate M = s, 2s, 3s, ...
     # (s a multiple of P) until two successive increments agree, then extend from the last two.
     step = P * max(2 if name in V_SHAPED else 1, math.ceil(4 / P))  # dualpipev needs M >= 2P
-    runs = [(m, _run(name, P, m, V, costs, comm)) for m in (step, 2 * step)]
+    runs = [(m, _run(name, P, m, V, costs, comm, shape)) for m in (step, 2 * step)]
     while True:
         (ma, ra), (mb, rb) = runs[-2], runs[-1]
         mc = mb + step
         if mc >= M:
-            r = _run(name, P, M, V, costs, comm)
+            r = _run(name, P, M, V, costs, comm, shape)
             return PipelineTiming(r.makespan, [tl[-1][1] for tl in r.timelines], busy, r.peak_inflight, r)
-        rc = _run(name, P, mc, V, costs, comm)
+        rc = _run(name, P, mc, V, costs, comm, shape)
         runs.append((mc, rc))
         if all(math.isclose(c - b, b - a, rel_tol=1e-9, abs_tol=1e-12 * c) for a, b, c in zip(
                 [t[-1][1] for t in ra.timelines], [t[-1][1] for t in rb.timelines], [t[-1][1] for t in rc.timelines])):
@@ -211,8 +215,11 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec, breakdown: 
         act_bytes /= layout.tp
     across = P > 1 and layout.tp * layout.dp * P > cluster.gpus_per_node
     comm = p2p_time(cluster, act_bytes, across, layout.tp, layout.scatter_gather_p2p) if P > 1 else 0.0
-    timing = simulate_pipeline(name, P, M, V, times, comm)
-    no_comm = simulate_pipeline(name, P, M, V, times, 0.0).makespan if comm > 0 and breakdown else timing.makespan
+    shape = (model.hidden_size, model.seq_length)
+    timing = simulate_pipeline(name, P, M, V, times, comm, shape)
+    no_comm = timing.makespan
+    if comm > 0 and breakdown:
+        no_comm = simulate_pipeline(name, P, M, V, times, 0.0, shape).makespan
 
     ends = []
     for rank in range(P):
