@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallel3d.device import default_device
+from parallel3d.distributed_timeout import waiting_for
+
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                           group=None, async_op: bool = False):
@@ -18,3 +21,14 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
     """``all_gather_single`` where torch has it, else ``all_gather_into_tensor``."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+def all_ranks_ok(ok: bool, what: str) -> bool:
+    """Whether every rank reports ok: a sync point that, unlike a barrier, lets all ranks learn of one's
+    failure (so each can say so and stop). ``what`` names the step in a timeout's message."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=default_device())
+    with waiting_for(what, "every rank"):
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

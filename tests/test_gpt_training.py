@@ -17,6 +17,8 @@ import torch
 
 from gpt_harness import FAMILIES, ROOT, full_weights, layout_args, pretrain_gpt, shards_against, train
 from parallel3d.training import checkpointing
+from parallel3d.training.arguments import parse_args
+from parallel3d.training.checkpoint_args import apply_checkpoint_args
 from parallel3d import parallel_state as ps
 from parallel3d.testing import run_distributed
 
@@ -215,3 +217,42 @@ def test_every_rank_reports_a_bad_layout():
     assert proc.returncode != 0
     assert proc.stderr.count("error: world size (2) is not divisible") == 2, proc.stderr[-2000:]
     assert "exitcode  : 2" in proc.stderr and 'pretrain_gpt.py", line' not in proc.stderr  # no worker traceback
+
+
+def _other_split(rank, world_size, save_dir):
+    ps.initialize_model_parallel(1, 2)
+    try:
+        args = layout_args("gpt2", 1, 2, extra=["--pipeline-split", "even"], world=world_size, iters=4)
+        args.save, args.save_interval, args.exit_interval = save_dir, 2, 2
+        train(args)  # layers 0-3 | 4-7
+        args = layout_args("gpt2", 1, 2, extra=["--pipeline-model-parallel-layout", "Ettttt|tttL"],
+                           world=world_size, iters=4)
+        args.load = save_dir
+        try:
+            train(args)
+        except checkpointing.CheckpointError as e:
+            refused = str(e)
+        else:
+            refused = None
+        args = layout_args("gpt2", 1, 2, extra=["--pipeline-model-parallel-layout", "Etttt|ttttL"],
+                           world=world_size, iters=4)
+        args.load = save_dir
+        resumed = train(args)["losses"]  # the layout the error names resumes
+        argv = ["--load", save_dir, "--use-checkpoint-args", "--pipeline-model-parallel-size", "7"]
+        args = parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args)
+        apply_checkpoint_args(args)
+        return refused, len(resumed), (args.pipeline_model_parallel_size, args.pipeline_model_parallel_layout)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_a_run_that_splits_the_layers_otherwise_is_refused_with_the_layout_that_resumes(tmp_path):
+    results = run_distributed(_other_split, 2, args=(str(tmp_path / "ckpt"),), timeout=300)
+    for rank, (refused, resumed, layout) in enumerate(results):  # every rank refuses, naming the fix
+        assert refused is not None, f"rank {rank} loaded a checkpoint of another layer split"
+        assert "splits the layers over the pipeline stages otherwise than this run" in refused
+        assert f"pipeline rank {rank} holds layers {'0-4' if rank == 0 else '5-7'}, the checkpoint's " \
+               f"{'0-3' if rank == 0 else '4-7'}" in refused
+        assert refused.endswith("--pipeline-model-parallel-layout 'Etttt|ttttL'")
+        assert resumed == 2  # iterations 3 and 4
+        assert layout == (2, "Etttt|ttttL")  # --use-checkpoint-args takes the saved split with the layout

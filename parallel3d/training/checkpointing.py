@@ -39,6 +39,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from parallel3d import parallel_state
+from parallel3d.collectives import all_ranks_ok
+from parallel3d.training.checkpoint_layers import LAYERS_KEY, check_layer_split, layer_ranges
 from parallel3d.training.checkpoint_integrity import (
     FILES_KEY,
     CheckpointError,
@@ -53,7 +55,6 @@ from parallel3d.training.checkpoint_integrity import (
     write_json,
 )
 from parallel3d.device import default_device
-from parallel3d.distributed_timeout import waiting_for
 from parallel3d.tensor_parallel import get_cuda_rng_tracker
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -151,13 +152,7 @@ def _global_rank() -> int:
 
 
 def _all_ranks_ok(ok: bool) -> bool:
-    """Whether every rank reports ok: a sync point that, unlike a barrier, lets all ranks learn of one's failure."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=default_device())
-    with waiting_for("the checkpoint save (every rank's files written?)", "every rank"):
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return all_ranks_ok(ok, "the checkpoint save (every rank's files written?)")
 
 
 def _clean_debris(save_dir: str) -> None:
@@ -189,8 +184,11 @@ def _write_rank_files(tmp: str, model: Sequence[torch.nn.Module], opt_state: Any
             tensors, splits = model_state_for_save(model)
             rel = f"{rdir}/model.safetensors"
             path = os.path.join(tmp, rel)
-            records[rel] = safetensors_save_hashed(path, tensors, {
-                "tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION)})
+            metadata = {"tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION)}
+            ranges = layer_ranges([_unwrap(c) for c in model])
+            if ranges is not None:
+                metadata[LAYERS_KEY] = json.dumps(ranges)
+            records[rel] = safetensors_save_hashed(path, tensors, metadata)
             del tensors
             state = {"optimizer": opt_state,
                      "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None}
@@ -441,7 +439,11 @@ def load_checkpoint(
     check_compatible(meta, model_config, ckpt_dir)
     st = parallel_state.resolve_parallel_state()
     tp_rank, pp_rank = st.tensor_model_parallel_rank, st.pipeline_model_parallel_rank
-    tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank, meta)
+    tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank, meta)  # checksum first, then its header is read
+    error = check_layer_split(ckpt_dir, [_unwrap(c) for c in model], pp_rank, st.pipeline_model_parallel_size,
+                              lambda p: f"{rank_dir_name(tp_rank, p)}/model.safetensors")
+    if error:
+        raise CheckpointError(error)
     load_model_state(model, tensors, ckpt_dir)
     if optimizer is not None and load_optimizer:
         rel = f"{rank_dir_name(tp_rank, pp_rank)}/optimizer.pt"
