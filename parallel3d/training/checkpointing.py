@@ -53,6 +53,7 @@ from parallel3d.training.checkpoint_integrity import (
     write_json,
 )
 from parallel3d.device import default_device
+from parallel3d.model_chunk import unwrap
 from parallel3d.distributed_timeout import waiting_for
 from parallel3d.tensor_parallel import get_cuda_rng_tracker
 
@@ -68,10 +69,6 @@ def iteration_dir(save_dir: str, iteration: int) -> str:
 
 def rank_dir_name(tp_rank: int, pp_rank: int) -> str:
     return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    return getattr(chunk, "module", chunk)
 
 
 def _fsync_dir(path: str) -> None:
@@ -110,7 +107,7 @@ def model_state_for_save(chunks: Sequence[torch.nn.Module]) -> tuple[dict[str, t
     """Flat {"model{c}.{name}": tensor} of this rank's shards, and each tensor's TP split."""
     tensors, splits = {}, {}
     for c, chunk in enumerate(chunks):
-        module = _unwrap(chunk)
+        module = unwrap(chunk)
         params = dict(module.named_parameters())
         for name, t in module.state_dict().items():
             if t is None:
@@ -399,7 +396,7 @@ def load_model_state(chunks: Sequence[torch.nn.Module], tensors: dict[str, torch
     """Copy shards into the model chunks; every key and shape must match."""
     expected = set()
     for c, chunk in enumerate(chunks):
-        module = _unwrap(chunk)
+        module = unwrap(chunk)
         own = module.state_dict()
         expected |= {f"model{c}.{k}" for k in own}
         sub = {}
