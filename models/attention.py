@@ -27,8 +27,6 @@ from .ops import plain_apply_rotary_pos_emb, plain_scaled_upper_triang_masked_so
 _SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
-# --- attention ----------------------------------------------------------------------------------
-
 class InferenceParams:
     """Key/value cache for incremental decoding (Megatron-Core's ``InferenceParams``).
 
@@ -99,9 +97,7 @@ class DotProductAttention(nn.Module):
         if self.groups_per_rank != np_:
             rep = np_ // self.groups_per_rank
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        q = q.reshape(sq, b * np_, d).transpose(0, 1)  # [b*np, sq, d]
-        k = k.reshape(sk, b * np_, d).transpose(0, 1)
-        v = v.reshape(sk, b * np_, d).transpose(0, 1)
+        q, k, v = (t.reshape(t.size(0), b * np_, d).transpose(0, 1) for t in (q, k, v))  # [b*np, s, d]
         scores = torch.baddbmm(torch.empty(b * np_, sq, sk, dtype=q.dtype, device=q.device), q, k.transpose(1, 2),
                                beta=0.0, alpha=self.softmax_scale)
         if cfg.attention_softmax_in_fp32:

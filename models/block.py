@@ -15,7 +15,6 @@ from .config import TransformerConfig
 from .mlp import MLP
 from .ops import Norm, dropout_rng, init_rng, plain_bias_dropout_add
 
-# --- transformer layer and block ----------------------------------------------------------------
 
 class TransformerLayer(nn.Module):
     """Pre-norm layer: x + attn(norm(x)), then x + mlp(norm(x)), each with bias-dropout-add."""
@@ -59,10 +58,7 @@ class TransformerBlock(nn.Module):
             with init_rng(config.seed, f"decoder.layers.{index}"):
                 layers.append(TransformerLayer(config, index + 1, tp_group))
         self.layers = nn.ModuleList(layers)
-        if post_process:
-            self.final_layernorm = Norm(config, config.hidden_size)
-        else:
-            self.final_layernorm = None
+        self.final_layernorm = Norm(config, config.hidden_size) if post_process else None
 
     def _run(self, start: int, end: int) -> Callable:
         def run(hidden_states, attention_mask, rotary_pos_emb, inference_params=None):
@@ -83,12 +79,10 @@ class TransformerBlock(nn.Module):
                     hidden_states = tensor_parallel.checkpoint(
                         self._run(start, min(start + k, n)), hidden_states, attention_mask, rotary_pos_emb)
             else:  # "block": the first k layers of the chunk are recomputed, the rest keep activations
-                for i in range(n):
-                    if i < k:
-                        hidden_states = tensor_parallel.checkpoint(
-                            self._run(i, i + 1), hidden_states, attention_mask, rotary_pos_emb)
-                    else:
-                        hidden_states = self.layers[i](hidden_states, attention_mask, rotary_pos_emb)
+                for i in range(min(k, n)):
+                    hidden_states = tensor_parallel.checkpoint(
+                        self._run(i, i + 1), hidden_states, attention_mask, rotary_pos_emb)
+                hidden_states = self._run(min(k, n), n)(hidden_states, attention_mask, rotary_pos_emb)
         else:
             hidden_states = self._run(0, n)(hidden_states, attention_mask, rotary_pos_emb, inference_params)
         if self.final_layernorm is not None:

@@ -32,11 +32,8 @@ import torch.distributed as dist
 
 from parallel3d.models.gpt import InferenceParams, gather_logits
 from parallel3d import parallel_state
+from parallel3d.model_chunk import unwrap
 from parallel3d.pipeline import get_forward_backward_func
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    return getattr(chunk, "module", chunk)
 
 
 def _is_source() -> bool:
@@ -115,12 +112,12 @@ def generate(
     generator seeded by ``seed`` (None: a random seed). ``max_new_tokens=0`` scores the prompt.
     """
     chunks = list(model)
-    config = _unwrap(chunks[0]).config
+    config = unwrap(chunks[0]).config
     vocab = config.vocab_size
     check_generation_args(prompt_ids, max_new_tokens, config, greedy=greedy, temperature=temperature, top_k=top_k,
                           top_p=top_p)
     device = next(chunks[0].parameters()).device
-    tp_group = _unwrap(chunks[-1]).tp_group
+    tp_group = unwrap(chunks[-1]).tp_group
     pad_to = config.tensor_model_parallel_size if config.sequence_parallel else 1
     learned = config.position_embedding_type == "learned_absolute"
     tokens = [int(i) for i in prompt_ids]

@@ -231,10 +231,6 @@ class GPTModel(nn.Module):
             return self.output_layer.weight
         return None
 
-    def global_layer_index(self, local_index: int) -> int:
-        """Global 0-based index of ``decoder.layers.{local_index}``."""
-        return self.layer_numbers[local_index]
-
     def global_parameter_name(self, name: str) -> str:
         """The whole (single-chunk) model's name of this chunk's parameter ``name``.
 
@@ -243,7 +239,7 @@ class GPTModel(nn.Module):
         """
         if name.startswith("decoder.layers."):
             local, rest = name[len("decoder.layers."):].split(".", 1)
-            return f"decoder.layers.{self.global_layer_index(int(local))}.{rest}"
+            return f"decoder.layers.{self.layer_numbers[int(local)]}.{rest}"
         if name == "output_layer.weight" and self.share_embeddings_and_output_weights:
             return "embedding.word_embeddings.weight"
         return name

@@ -20,7 +20,6 @@ from parallel3d.tensor_parallel import (
 from .config import TransformerConfig
 from .ops import plain_bias_gelu, plain_bias_swiglu
 
-# --- MLP ----------------------------------------------------------------------------------------
 
 def _activation_fn(config: TransformerConfig) -> Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]:
     """act(x + bias), or act(gate) * up for a gated unit; the fused wrapper where one exists."""

@@ -11,9 +11,7 @@ from torch import nn
 
 from parallel3d.device import default_device
 from parallel3d.fused import layer_norm, rms_norm
-from parallel3d.tensor_parallel import (
-    get_cuda_rng_tracker,
-)
+from parallel3d.tensor_parallel import get_cuda_rng_tracker
 from parallel3d.tensor_parallel.layers import InitMethod
 
 from .config import TransformerConfig
@@ -113,11 +111,6 @@ def dropout_rng(sequence_parallel: bool, active: bool):
     return get_cuda_rng_tracker().fork() if (sequence_parallel and active) else contextlib.nullcontext()
 
 
-def mark_sequence_parallel(module: nn.Module, sequence_parallel: bool) -> None:
-    for p in module.parameters():
-        p.sequence_parallel = sequence_parallel
-
-
 class Norm(nn.Module):
     """LayerNorm (weight, bias) or RMSNorm (weight) over the hidden dim, statistics in fp32."""
 
@@ -133,7 +126,8 @@ class Norm(nn.Module):
         else:
             self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
         # Under SP a norm sees a sequence shard: its gradient must be summed over TP.
-        mark_sequence_parallel(self, config.sequence_parallel)
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rms:

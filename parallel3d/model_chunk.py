@@ -44,12 +44,26 @@ class CheckpointableConfig(Protocol):
     def checkpoint_mismatches(self, saved: dict[str, Any]) -> list[str]: ...
 
 
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model chunk inside a wrapper (DistributedDataParallel's ``module``), or the chunk itself."""
+    return getattr(chunk, "module", chunk)
+
+
 def is_first_stage_chunk(module: torch.nn.Module) -> bool:
     return bool(getattr(module, "pre_process", True))
 
 
 def is_last_stage_chunk(module: torch.nn.Module) -> bool:
     return bool(getattr(module, "post_process", True))
+
+
+def set_input(module: torch.nn.Module, input_tensor: Any) -> None:
+    """Hand a chunk what the previous stage sent (None on the first stage)."""
+    set_input_tensor = getattr(module, "set_input_tensor", None)
+    if set_input_tensor is not None:
+        set_input_tensor(input_tensor)
+    elif input_tensor is not None:
+        raise TypeError("a model chunk of a non-first pipeline stage must define set_input_tensor()")
 
 
 def shared_weight(module: torch.nn.Module) -> Optional[torch.Tensor]:

@@ -198,10 +198,8 @@ class GPTDataset(torch.utils.data.Dataset):
         document_index = _build_document_index(self.indices, num_epochs, rng, separate_final_epoch)
         num_samples_total = (num_epochs * num_tokens_per_epoch - 1) // seq_length
         sample_index = _build_sample_index(self.dataset.sequence_lengths, document_index, seq_length, num_samples_total)
-        if separate_final_epoch:
-            shuffle_index = _build_shuffle_index(num_samples_sans_final_epoch, num_samples_total, rng)
-        else:
-            shuffle_index = _build_shuffle_index(num_samples_total, num_samples_total, rng)
+        num_shuffled_first = num_samples_sans_final_epoch if separate_final_epoch else num_samples_total
+        shuffle_index = _build_shuffle_index(num_shuffled_first, num_samples_total, rng)
         return document_index, sample_index, shuffle_index
 
     def __len__(self) -> int:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import parallel_state
-from parallel3d.model_chunk import is_first_stage_chunk, is_last_stage_chunk, shared_weight
+from parallel3d.model_chunk import is_first_stage_chunk, is_last_stage_chunk, set_input, shared_weight
 
 from .param_and_grad_buffer import (
     Bucket,
@@ -318,8 +318,16 @@ class DistributedDataParallel(nn.Module):
         return shared_weight(self.module)
 
     def set_input_tensor(self, input_tensor: Any) -> None:
-        set_input = getattr(self.module, "set_input_tensor", None)
-        if set_input is not None:
-            set_input(input_tensor)
-        elif input_tensor is not None:
-            raise TypeError("a model chunk of a non-first pipeline stage must define set_input_tensor()")
+        set_input(self.module, input_tensor)
+
+
+def ddp_chunks(model_chunks: Any, caller: str) -> list[DistributedDataParallel]:
+    """The model chunks (one chunk alone is accepted) as a list, each a DistributedDataParallel."""
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if not chunks:
+        raise ValueError(f"{caller} needs at least one model chunk")
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, DistributedDataParallel):
+            raise TypeError(f"model chunk {i} is a {type(chunk).__name__}: wrap it in DistributedDataParallel "
+                            f"({caller} reads main_grad from its buffers)")
+    return chunks

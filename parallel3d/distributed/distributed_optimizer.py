@@ -28,7 +28,7 @@ from torch import nn
 
 from parallel3d import parallel_state as ps
 
-from .ddp import DistributedDataParallel
+from .ddp import DistributedDataParallel, ddp_chunks
 from .optimizer import FP32Optimizer, MegatronOptimizer, MixedPrecisionOptimizer, OptimizerConfig, no_weight_decay
 from .param_and_grad_buffer import Bucket, all_gather_into_tensor, backend_is_nccl
 
@@ -176,13 +176,8 @@ class DistributedOptimizer(MegatronOptimizer):
 
 # The factory sits here, below every optimizer class, so optimizer.py never imports this module back.
 def _check_chunks(config: OptimizerConfig, model_chunks) -> list[DistributedDataParallel]:
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    if not chunks:
-        raise ValueError("get_megatron_optimizer needs at least one model chunk")
+    chunks = ddp_chunks(model_chunks, "get_megatron_optimizer")
     for i, chunk in enumerate(chunks):
-        if not isinstance(chunk, DistributedDataParallel):
-            raise TypeError(f"model chunk {i} is a {type(chunk).__name__}: wrap it in DistributedDataParallel "
-                            "(the optimizer reads main_grad from its buffers)")
         if chunk.ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
             raise ValueError(f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but model "
                              f"chunk {i} was wrapped with use_distributed_optimizer="

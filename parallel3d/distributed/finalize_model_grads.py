@@ -28,22 +28,12 @@ from parallel3d import parallel_state as ps
 from parallel3d.model_chunk import shared_weight
 from parallel3d.tensor_parallel import allreduce_sequence_parallel_gradients
 
-from .ddp import DistributedDataParallel
+from .ddp import DistributedDataParallel, ddp_chunks
 
 
 def _main_grad(param: torch.Tensor) -> torch.Tensor:
     grad = getattr(param, "main_grad", None)
     return param.grad if grad is None else grad
-
-
-def _checked_chunks(model_chunks) -> list[DistributedDataParallel]:
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    if not chunks:
-        raise ValueError("finalize_model_grads needs at least one model chunk")
-    for i, chunk in enumerate(chunks):
-        if not isinstance(chunk, DistributedDataParallel):
-            raise TypeError(f"model chunk {i} is a {type(chunk).__name__}; wrap it in DistributedDataParallel")
-    return chunks
 
 
 def _allreduce_layernorm_grads(chunks: Sequence[DistributedDataParallel], state: ps.ParallelState) -> None:
@@ -113,7 +103,7 @@ def finalize_model_grads(model_chunks, num_tokens: Optional[torch.Tensor] = None
     chunks must have been built with ``config.calculate_per_token_loss=True``.
     The caller's tensor is not modified. ``state`` defaults to the global parallel state.
     """
-    chunks = _checked_chunks(model_chunks)
+    chunks = ddp_chunks(model_chunks, "finalize_model_grads")
     state = ps.resolve_parallel_state(state)
     if num_tokens is not None:
         bad = [i for i, c in enumerate(chunks) if not c.calculate_per_token_loss]

@@ -160,6 +160,16 @@ def use_kernel(*tensors: torch.Tensor | None) -> bool:
     return get_ext() is not None
 
 
+def check_bias(op: str, x: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """The bias wrappers' rule: None, or one value per feature of x's last dimension, in x's dtype."""
+    if bias is None:
+        return
+    if bias.shape != (x.shape[-1],):
+        raise ValueError(f"{op}: bias must have shape ({x.shape[-1]},), got {tuple(bias.shape)}")
+    if bias.dtype != x.dtype:
+        raise ValueError(f"{op}: bias dtype {bias.dtype} differs from x dtype {x.dtype}")
+
+
 def describe() -> str:
     """One line for a run's log: whether this process runs the fused kernels, and if not, why.
 

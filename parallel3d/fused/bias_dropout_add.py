@@ -59,11 +59,7 @@ def _check(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p
         raise ValueError(f"bias_dropout_add: residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
     if residual.dtype != x.dtype:
         raise ValueError(f"bias_dropout_add: residual dtype {residual.dtype} differs from x dtype {x.dtype}")
-    if bias is not None:
-        if bias.shape != (x.shape[-1],):
-            raise ValueError(f"bias_dropout_add: bias must have shape ({x.shape[-1]},), got {tuple(bias.shape)}")
-        if bias.dtype != x.dtype:
-            raise ValueError(f"bias_dropout_add: bias dtype {bias.dtype} differs from x dtype {x.dtype}")
+    _ext.check_bias("bias_dropout_add", x, bias)
 
 
 def bias_dropout_add(

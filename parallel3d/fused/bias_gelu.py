@@ -30,11 +30,7 @@ def _check(x: torch.Tensor, bias: torch.Tensor | None, approximate: str) -> None
         raise ValueError(f"bias_gelu: approximate must be one of {_APPROXIMATIONS}, got {approximate!r}")
     if x.dim() < 1:
         raise ValueError("bias_gelu: x must have at least one dimension")
-    if bias is not None:
-        if bias.shape != (x.shape[-1],):
-            raise ValueError(f"bias_gelu: bias must have shape ({x.shape[-1]},), got {tuple(bias.shape)}")
-        if bias.dtype != x.dtype:
-            raise ValueError(f"bias_gelu: bias dtype {bias.dtype} differs from x dtype {x.dtype}")
+    _ext.check_bias("bias_gelu", x, bias)
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh") -> torch.Tensor:

@@ -29,11 +29,7 @@ def _check(x: torch.Tensor, bias: torch.Tensor | None) -> None:
         raise ValueError(
             f"bias_swiglu: the last dimension of x holds the gate and up halves and must be even, got shape {tuple(x.shape)}"
         )
-    if bias is not None:
-        if bias.shape != (x.shape[-1],):
-            raise ValueError(f"bias_swiglu: bias must have shape ({x.shape[-1]},), got {tuple(bias.shape)}")
-        if bias.dtype != x.dtype:
-            raise ValueError(f"bias_swiglu: bias dtype {bias.dtype} differs from x dtype {x.dtype}")
+    _ext.check_bias("bias_swiglu", x, bias)
 
 
 def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

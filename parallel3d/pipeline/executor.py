@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from parallel3d import parallel_state
 from parallel3d.distributed_timeout import waiting_for
+from parallel3d.model_chunk import set_input
 
 from .p2p import TensorSpec, Transfer, exchange
 from parallel3d.tensor_parallel import wgrad_store
@@ -187,14 +188,9 @@ class ScheduleExecutor:
         if prev is not None:  # the V's turn: the previous stage ran on this rank, no message
             inputs = self.inputs[key] = tuple(t.detach().requires_grad_(t.is_floating_point())
                                              for t in self.outputs[(mb, prev)])
-        if not self._is_first(chunk):
-            if inputs is None:
-                raise RuntimeError(f"F{mb}.{chunk} on stage {self.pipeline.stage}: no input was received")
-        set_input = getattr(model, "set_input_tensor", None)
-        if set_input is not None:
-            set_input(None if inputs is None else (inputs[0] if len(inputs) == 1 else inputs))
-        elif inputs is not None:
-            raise TypeError("a model chunk of a non-first pipeline stage must define set_input_tensor()")
+        if inputs is None and not self._is_first(chunk):
+            raise RuntimeError(f"F{mb}.{chunk} on stage {self.pipeline.stage}: no input was received")
+        set_input(model, None if inputs is None else (inputs[0] if len(inputs) == 1 else inputs))
 
         grad_ctx = torch.no_grad() if self.forward_only else contextlib.nullcontext()
         with grad_ctx:
@@ -280,7 +276,8 @@ class ScheduleExecutor:
             peer = self.pipeline.ranks[a.peer]
             key = (a.microbatch, a.chunk)
             if a.kind == "SEND_F":
-                transfers.append((a, Transfer("send", peer, tensors=tuple(t.detach() for t in self.outputs[key]))))
+                transfers.append((a, Transfer("send", peer, tensors=tuple(t.detach() for t in self.outputs[key]),
+                                              negotiate=self.variable)))
             elif a.kind == "SEND_B":
                 transfers.append((a, Transfer("send", peer, tensors=self.input_grads.pop(key))))
             elif a.kind == "RECV_F":
@@ -289,8 +286,6 @@ class ScheduleExecutor:
             elif a.kind == "RECV_B":
                 # The gradient of what we sent: we know its shapes, no negotiation needed.
                 transfers.append((a, Transfer("recv", peer, spec=self.output_specs[key])))
-            if a.kind == "SEND_F":
-                transfers[-1][1].negotiate = self.variable
         # A peer that never answers shows up here: name each transfer and its peer in the error.
         def what() -> str:
             return "pipeline transfer (" + ", ".join(

@@ -34,11 +34,6 @@ class _Where:
         return _where(self.rank, self.index, self.action)
 
 
-def _stage_location(schedule: Schedule, v: int) -> tuple[int, int]:
-    """(rank, local chunk) that holds virtual stage v."""
-    return schedule.stage_location(v)
-
-
 def _check_shape(schedule: Schedule) -> None:
     P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_model_chunks
     if len(schedule.actions) != P:
@@ -82,7 +77,7 @@ def _check_rank_order(schedule: Schedule, rank: int) -> None:
             # A forward needs the previous virtual stage's output, a backward the next one's gradient.
             src_v, recv = (v - 1, "RECV_F") if forward else (v + 1, "RECV_B")
             if 0 <= src_v <= last:
-                src_rank, src_chunk = _stage_location(schedule, src_v)
+                src_rank, src_chunk = schedule.stage_location(src_v)
                 if src_rank == rank and (a.microbatch, src_chunk) not in done[a.kind]:
                     raise ScheduleError(f"{here}: needs {a.kind}{a.microbatch}.{src_chunk} earlier on this rank")
                 if src_rank != rank:
@@ -101,7 +96,7 @@ def _check_rank_order(schedule: Schedule, rank: int) -> None:
             if not 0 <= other_v <= last:
                 raise ScheduleError(f"{here}: virtual stage {v} has no {'next' if toward_next else 'previous'} "
                                     f"stage to talk to")
-            other_rank = _stage_location(schedule, other_v)[0]
+            other_rank = schedule.stage_location(other_v)[0]
             if other_rank == rank:
                 raise ScheduleError(f"{here}: virtual stage {other_v} is on this same rank; no message needed")
             if a.peer != other_rank:

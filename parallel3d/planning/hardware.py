@@ -113,9 +113,6 @@ class ClusterSpec:
     def num_gpus(self) -> int:
         return self.gpus_per_node * self.num_nodes
 
-    def with_nodes(self, num_nodes: int) -> "ClusterSpec":
-        return dataclasses.replace(self, num_nodes=num_nodes)
-
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 

@@ -11,6 +11,7 @@ from typing import Optional
 
 from parallel3d.pipeline.forward_backward import default_schedule_name
 from parallel3d.pipeline.schedules import SCHEDULE_NAMES, V_SHAPED, placement_of
+from parallel3d.tensor_parallel import vocab_size_with_padding
 
 RECOMPUTE_CHOICES = (None, "selective", "full")
 PIPELINE_SPLITS = ("balanced", "even")  # --pipeline-split: parallel3d's default, Megatron's
@@ -94,10 +95,7 @@ class ModelSpec:
 
     def vocab(self, tp: int) -> int:
         """The padded vocabulary (Megatron pads to a multiple of make_vocab_size_divisible_by * TP)."""
-        if self.padded_vocab_size:
-            return self.padded_vocab_size
-        multiple = self.make_vocab_size_divisible_by * tp
-        return (self.vocab_size + multiple - 1) // multiple * multiple
+        return self.padded_vocab_size or vocab_size_with_padding(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
     # Parameter counts on one tensor-parallel rank.
     def layer_params(self, tp: int) -> int:

@@ -55,6 +55,7 @@ from parallel3d.training.checkpoint_integrity import (
     write_json,
 )
 from parallel3d.device import default_device
+from parallel3d.model_chunk import unwrap
 from parallel3d.tensor_parallel import get_cuda_rng_tracker
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -69,10 +70,6 @@ def iteration_dir(save_dir: str, iteration: int) -> str:
 
 def rank_dir_name(tp_rank: int, pp_rank: int) -> str:
     return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    return getattr(chunk, "module", chunk)
 
 
 def _fsync_dir(path: str) -> None:
@@ -111,7 +108,7 @@ def model_state_for_save(chunks: Sequence[torch.nn.Module]) -> tuple[dict[str, t
     """Flat {"model{c}.{name}": tensor} of this rank's shards, and each tensor's TP split."""
     tensors, splits = {}, {}
     for c, chunk in enumerate(chunks):
-        module = _unwrap(chunk)
+        module = unwrap(chunk)
         params = dict(module.named_parameters())
         for name, t in module.state_dict().items():
             if t is None:
@@ -185,7 +182,7 @@ def _write_rank_files(tmp: str, model: Sequence[torch.nn.Module], opt_state: Any
             rel = f"{rdir}/model.safetensors"
             path = os.path.join(tmp, rel)
             metadata = {"tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION)}
-            ranges = layer_ranges([_unwrap(c) for c in model])
+            ranges = layer_ranges([unwrap(c) for c in model])
             if ranges is not None:
                 metadata[LAYERS_KEY] = json.dumps(ranges)
             records[rel] = safetensors_save_hashed(path, tensors, metadata)
@@ -397,7 +394,7 @@ def load_model_state(chunks: Sequence[torch.nn.Module], tensors: dict[str, torch
     """Copy shards into the model chunks; every key and shape must match."""
     expected = set()
     for c, chunk in enumerate(chunks):
-        module = _unwrap(chunk)
+        module = unwrap(chunk)
         own = module.state_dict()
         expected |= {f"model{c}.{k}" for k in own}
         sub = {}
@@ -440,7 +437,7 @@ def load_checkpoint(
     st = parallel_state.resolve_parallel_state()
     tp_rank, pp_rank = st.tensor_model_parallel_rank, st.pipeline_model_parallel_rank
     tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank, meta)  # checksum first, then its header is read
-    error = check_layer_split(ckpt_dir, [_unwrap(c) for c in model], pp_rank, st.pipeline_model_parallel_size,
+    error = check_layer_split(ckpt_dir, [unwrap(c) for c in model], pp_rank, st.pipeline_model_parallel_size,
                               lambda p: f"{rank_dir_name(tp_rank, p)}/model.safetensors")
     if error:
         raise CheckpointError(error)

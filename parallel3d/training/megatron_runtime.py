@@ -80,11 +80,6 @@ class CheckedScheduler:
         self.scheduler.load_state_dict(state)
 
 
-def _saved_args(load_dir: str, iteration: int) -> dict[str, Any]:
-    meta = checkpointing.read_metadata(checkpointing.find_checkpoint_dir(load_dir, iteration))
-    return meta.get("args") or {}
-
-
 def load_for_training(config: Any, model: Sequence[torch.nn.Module], optimizer: Any, scheduler: Any,
                       model_config: Any, say: Callable[[str], None]) -> tuple[int, int, int]:
     """Megatron's load step of ``pretrain``: (iteration, consumed train samples, consumed valid samples).
@@ -103,7 +98,7 @@ def load_for_training(config: Any, model: Sequence[torch.nn.Module], optimizer: 
         return 0, 0, 0
     load_optim = not (ckpt.no_load_optim or ckpt.finetune)
     load_rng = not (ckpt.no_load_rng or ckpt.finetune)
-    saved = _saved_args(ckpt.load, latest)
+    saved = checkpointing.read_metadata(checkpointing.find_checkpoint_dir(ckpt.load, latest)).get("args") or {}
     for what, skipped, flag in (("optimizer", load_optim and saved.get("no_save_optim"), "--no-load-optim"),
                                 ("RNG", load_rng and saved.get("no_save_rng"), "--no-load-rng")):
         if skipped:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from parallel3d import parallel_state
 from parallel3d.distributed_timeout import CommunicationError, waiting_for
+from parallel3d.model_chunk import unwrap
 
 
 class TrainingError(RuntimeError):
@@ -46,7 +47,7 @@ def locate_nonfinite(model: Sequence[torch.nn.Module], loss_is_finite: bool) -> 
     """
     def params():
         for chunk in model:
-            yield from chunk.module.named_parameters() if hasattr(chunk, "module") else chunk.named_parameters()
+            yield from unwrap(chunk).named_parameters()
 
     local = {"rank": dist.get_rank() if dist.is_initialized() else 0,
              "stage": parallel_state.resolve_parallel_state().pipeline_model_parallel_rank,
