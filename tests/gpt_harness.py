@@ -70,7 +70,8 @@ def train(args, dataset_size=GBS * ITERS * 2):
     with redirect_stdout(io.StringIO()):
         result = pretrain(args, partial(pretrain_gpt.model_provider, config, partition),
                           partial(pretrain_gpt.forward_step, False),
-                          lambda n: (TokenDataset(dataset_size), None, None), model_config=config)
+                          lambda n: (TokenDataset(dataset_size), None, None), model_config=config,
+                          layer_numbers=[[list(r) for r in chunks] for chunks in partition])  # as pretrain_gpt.py
     return result
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from parallel3d.training import checkpointing
 from parallel3d.training.checkpoint_integrity import CheckpointError
-from parallel3d.training.checkpoint_layers import layout_string, saved_layer_ranges
+from parallel3d.training.checkpoint_layers import layout_string, saved_split
 
 # TransformerConfig field -> argument, copied as they are.
 _SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels",
@@ -54,10 +54,9 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
     new["pipeline_model_parallel_size"] = layout["pipeline_model_parallel_size"]
     new["virtual_pipeline_model_parallel_size"] = layout.get("virtual_pipeline_model_parallel_size")
     new["num_layers_per_virtual_pipeline_stage"] = None  # the virtual size above says it
-    pp = layout["pipeline_model_parallel_size"]
-    ranges = saved_layer_ranges(ckpt_dir, pp, lambda p: f"{checkpointing.rank_dir_name(0, p)}/model.safetensors")
-    if pp > 1 and ranges is not None:  # the layers per stage too: the default split may have changed since
-        new.update(pipeline_model_parallel_layout=layout_string(ranges), decoder_first_pipeline_num_layers=None,
+    split = saved_split(meta, layout["pipeline_model_parallel_size"])
+    if len(split or []) > 1:  # the layers per stage too: the default split may have changed since
+        new.update(pipeline_model_parallel_layout=layout_string(split), decoder_first_pipeline_num_layers=None,
                    decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,
                    account_for_loss_in_pipeline_split=False)
     saved_args = meta.get("args") or {}

@@ -1,75 +1,70 @@
-"""Which layers each pipeline chunk of a checkpoint holds: recorded when saved, checked when loaded.
+"""Which layers each pipeline chunk of a checkpoint holds (metadata.json's ``layer_numbers``), checked on load.
 
 The layer split over pipeline stages is not fixed by the layout alone: the default
 (``--pipeline-split balanced``) weighs the stages by a cost model that can change between versions,
 and ``--pipeline-model-parallel-layout`` or ``--decoder-first/last-pipeline-num-layers`` change it
-too. Each model shard records the global layer range of each of its chunks, so that a run that
-splits the layers differently is refused on every rank, before any training, with the layout flag
-that reproduces the saved split (instead of a missing tensor deep in the loader).
+too. A run that splits the layers otherwise than the checkpoint is refused on every rank, before
+any tensor is read, with the layout flag that reproduces the saved split (instead of a missing
+tensor deep in the loader on some ranks while the others wait).
 """
 from __future__ import annotations
 
-import json
-import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
-from safetensors import safe_open
 
 from parallel3d.collectives import all_ranks_ok
 
-LAYERS_KEY = "layer_numbers"  # in each model.safetensors' metadata: [[start, stop], ...] per chunk
-
-Ranges = list[list[int]]
+Split = list[list[list[int]]]  # [pp_rank][chunk] -> global layer indices
 
 
-def layer_ranges(chunks: Sequence[torch.nn.Module]) -> Optional[Ranges]:
-    """[start, stop) of each (unwrapped) chunk's global layers, where chunks declare ``layer_numbers``."""
-    out = []
-    for chunk in chunks:
-        numbers = getattr(chunk, "layer_numbers", None)
-        if not isinstance(numbers, range):
-            return None  # a model that does not say which layers it holds: nothing to record
-        out.append([numbers.start, numbers.stop])
-    return out
+def saved_split(meta: dict[str, Any], pipeline_size: int) -> Optional[Split]:
+    """metadata.json's ``layer_numbers`` when it holds every pipeline rank's chunks, else None."""
+    split = meta.get("layer_numbers")
+    if not isinstance(split, list) or len(split) != pipeline_size:
+        return None
+    if not all(isinstance(chunks, list) and all(isinstance(c, list) for c in chunks) for chunks in split):
+        return None
+    return split
 
 
-def saved_layer_ranges(ckpt_dir: str, pipeline_size: int, shard_path: Callable[[int], str]
-                       ) -> Optional[dict[int, Ranges]]:
-    """pipeline rank -> its chunks' ranges, read from shard headers (``shard_path(pp)``, relative to
-    ``ckpt_dir``); None where the checkpoint did not record them."""
-    out = {}
-    for p in range(pipeline_size):
-        try:  # only the header is read; the loader verifies each rank's own shard by its checksum
-            with safe_open(os.path.join(ckpt_dir, shard_path(p)), framework="pt") as f:
-                out[p] = json.loads((f.metadata() or {})[LAYERS_KEY])
-        except Exception:  # noqa: BLE001 - missing, damaged, or saved before the split was recorded
-            return None
-    return out
+def chunk_layers(chunks: Sequence[torch.nn.Module]) -> Optional[list[list[int]]]:
+    """The global layer indices of each (unwrapped) chunk, where chunks declare ``layer_numbers``."""
+    numbers = [getattr(chunk, "layer_numbers", None) for chunk in chunks]
+    return [list(n) for n in numbers] if all(isinstance(n, range) for n in numbers) else None
 
 
-def layout_string(ranges: dict[int, Ranges]) -> str:
-    """Megatron's ``--pipeline-model-parallel-layout`` for a split: its virtual stages in layer order."""
-    stages = sorted((r for chunks in ranges.values() for r in chunks), key=lambda r: (r[0], r[1]))
-    parts = ["t" * (stop - start) for start, stop in stages]
-    return "|".join(["E" + parts[0]] + parts[1:-1] + [parts[-1] + "L"]) if len(parts) > 1 else f"E{parts[0]}L"
+def layout_string(split: Split) -> str:
+    """Megatron's ``--pipeline-model-parallel-layout`` for a split: its virtual stages in layer order.
+
+    Virtual stage v of P ranks is (rank v % P, chunk v // P), or in the V of zb-v / dualpipev
+    chunk 1 of rank 2P-1-v; whichever order lists the layers 0, 1, 2, ... is the checkpoint's."""
+    P, V = len(split), len(split[0])
+    orders = [[(v % P, v // P) for v in range(P * V)]]
+    if V == 2:
+        orders.append([(v, 0) if v < P else (2 * P - 1 - v, 1) for v in range(2 * P)])
+    for order in orders:
+        stages = [split[p][c] for p, c in order]
+        if sum(stages, []) == list(range(sum(len(s) for s in stages))):
+            parts = ["t" * len(s) for s in stages]
+            return "|".join(["E" + parts[0]] + parts[1:-1] + [parts[-1] + "L"]) if len(parts) > 1 else f"E{parts[0]}L"
+    raise ValueError(f"layer_numbers {split} list no layer order")
 
 
-def check_layer_split(ckpt_dir: str, chunks: Sequence[torch.nn.Module], pp_rank: int, pipeline_size: int,
-                      shard_path: Callable[[int], str]) -> Optional[str]:
+def check_layer_split(ckpt_dir: str, meta: dict[str, Any], chunks: Sequence[torch.nn.Module], pp_rank: int,
+                      pipeline_size: int) -> Optional[str]:
     """The error line, on every rank, when this run splits the layers otherwise than the checkpoint."""
-    saved = saved_layer_ranges(ckpt_dir, pipeline_size, shard_path)
-    if saved is None:
+    saved = saved_split(meta, pipeline_size)
+    mine = chunk_layers(chunks)
+    ok = saved is None or mine is None or mine == saved[pp_rank]
+    if all_ranks_ok(ok, "the check of the checkpoint's layer split"):
         return None
-    mine = layer_ranges(chunks)
-    if all_ranks_ok(mine is None or mine == saved[pp_rank], "the check of the checkpoint's layer split"):
-        return None
-    here = (f"pipeline rank {pp_rank} holds layers {_ranges(mine)}, the checkpoint's {_ranges(saved[pp_rank])}"
-            if mine is not None and mine != saved[pp_rank] else "another pipeline rank holds other layers")
+    here = (f"pipeline rank {pp_rank} holds layers {_spans(mine)}, the checkpoint's {_spans(saved[pp_rank])}"
+            if not ok else "another pipeline rank holds other layers")
     return (f"{ckpt_dir} splits the layers over the pipeline stages otherwise than this run ({here}); the "
             f"default cost-balanced split can change between versions: resume with "
             f"--pipeline-model-parallel-layout '{layout_string(saved)}'")
 
 
-def _ranges(ranges: Any) -> str:
-    return ", ".join(f"{a}-{b - 1}" if b > a else "none" for a, b in ranges)
+def _spans(chunks: Any) -> str:
+    return ", ".join(f"{c[0]}-{c[-1]}" if c else "none" for c in chunks)

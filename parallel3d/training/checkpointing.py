@@ -40,7 +40,7 @@ from safetensors import safe_open
 
 from parallel3d import parallel_state
 from parallel3d.collectives import all_ranks_ok
-from parallel3d.training.checkpoint_layers import LAYERS_KEY, check_layer_split, layer_ranges
+from parallel3d.training.checkpoint_layers import check_layer_split
 from parallel3d.training.checkpoint_integrity import (
     FILES_KEY,
     CheckpointError,
@@ -181,11 +181,8 @@ def _write_rank_files(tmp: str, model: Sequence[torch.nn.Module], opt_state: Any
             tensors, splits = model_state_for_save(model)
             rel = f"{rdir}/model.safetensors"
             path = os.path.join(tmp, rel)
-            metadata = {"tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION)}
-            ranges = layer_ranges([unwrap(c) for c in model])
-            if ranges is not None:
-                metadata[LAYERS_KEY] = json.dumps(ranges)
-            records[rel] = safetensors_save_hashed(path, tensors, metadata)
+            records[rel] = safetensors_save_hashed(path, tensors, {
+                "tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION)})
             del tensors
             state = {"optimizer": opt_state,
                      "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None}
@@ -436,11 +433,10 @@ def load_checkpoint(
     check_compatible(meta, model_config, ckpt_dir)
     st = parallel_state.resolve_parallel_state()
     tp_rank, pp_rank = st.tensor_model_parallel_rank, st.pipeline_model_parallel_rank
-    tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank, meta)  # checksum first, then its header is read
-    error = check_layer_split(ckpt_dir, [unwrap(c) for c in model], pp_rank, st.pipeline_model_parallel_size,
-                              lambda p: f"{rank_dir_name(tp_rank, p)}/model.safetensors")
+    error = check_layer_split(ckpt_dir, meta, [unwrap(c) for c in model], pp_rank, st.pipeline_model_parallel_size)
     if error:
         raise CheckpointError(error)
+    tensors, _ = load_model_shards(ckpt_dir, tp_rank, pp_rank, meta)
     load_model_state(model, tensors, ckpt_dir)
     if optimizer is not None and load_optimizer:
         rel = f"{rank_dir_name(tp_rank, pp_rank)}/optimizer.pt"

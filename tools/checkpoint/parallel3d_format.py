@@ -28,7 +28,6 @@ from safetensors import safe_open
 
 from parallel3d.models.config import TransformerConfig
 from parallel3d.training.checkpoint_integrity import FILES_KEY, check_file
-from parallel3d.training.checkpoint_layers import LAYERS_KEY
 from parallel3d.training.checkpointing import (
     FORMAT_VERSION,
     LATEST_FILE,
@@ -282,8 +281,7 @@ class Parallel3dSaver:
                     splits = {k: spec.split for k, (spec, _, _) in want.items() if spec.split is not None}
                     self._writers[t, p] = StreamingSafetensorsWriter(
                         os.path.join(rdir, MODEL_FILE), entries,
-                        metadata={"tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION),
-                                  LAYERS_KEY: json.dumps([[r.start, r.stop] for r in self.partition[p]])})
+                        metadata={"tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION)})
                     for key, (spec, unit, index) in want.items():
                         name = key.split(".", 1)[1]  # drop "model{chunk}."
                         if unit == "layer":
