@@ -19,6 +19,7 @@ from gpt_harness import FAMILIES, ROOT, full_weights, layout_args, pretrain_gpt,
 from parallel3d.training import checkpointing
 from parallel3d.training.arguments import parse_args
 from parallel3d.training.checkpoint_args import apply_checkpoint_args
+from parallel3d.tools import generate as generate_tool
 from parallel3d import parallel_state as ps
 from parallel3d.testing import run_distributed
 
@@ -241,14 +242,21 @@ def _other_split(rank, world_size, save_dir):
         argv = ["--load", save_dir, "--use-checkpoint-args", "--pipeline-model-parallel-size", "7"]
         args = parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args)
         apply_checkpoint_args(args)
-        return refused, len(resumed), (args.pipeline_model_parallel_size, args.pipeline_model_parallel_layout)
+        # generation builds the chunks with the layers they were trained with (here 5 | 3, not 4 | 4)
+        uneven = layout_args("gpt2", 1, 2, extra=["--pipeline-model-parallel-layout", "Ettttt|tttL"],
+                             world=world_size, iters=2)
+        uneven.save, uneven.save_interval = save_dir + "_uneven", 2
+        train(uneven)
+        chunks, _ = generate_tool.load_model(uneven.save)
+        return (refused, len(resumed), (args.pipeline_model_parallel_size, args.pipeline_model_parallel_layout),
+                [c.layer_numbers for c in chunks])
     finally:
         ps.destroy_model_parallel()
 
 
 def test_a_run_that_splits_the_layers_otherwise_is_refused_with_the_layout_that_resumes(tmp_path):
     results = run_distributed(_other_split, 2, args=(str(tmp_path / "ckpt"),), timeout=300)
-    for rank, (refused, resumed, layout) in enumerate(results):  # every rank refuses, naming the fix
+    for rank, (refused, resumed, layout, generation_layers) in enumerate(results):  # each rank refuses, naming the fix
         assert refused is not None, f"rank {rank} loaded a checkpoint of another layer split"
         assert "splits the layers over the pipeline stages otherwise than this run" in refused
         assert f"pipeline rank {rank} holds layers {'0-4' if rank == 0 else '5-7'}, the checkpoint's " \
@@ -256,3 +264,4 @@ def test_a_run_that_splits_the_layers_otherwise_is_refused_with_the_layout_that_
         assert refused.endswith("--pipeline-model-parallel-layout 'Etttt|ttttL'")
         assert resumed == 2  # iterations 3 and 4
         assert layout == (2, "Etttt|ttttL")  # --use-checkpoint-args takes the saved split with the layout
+        assert generation_layers == [range(0, 5) if rank == 0 else range(5, 8)]

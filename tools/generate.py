@@ -47,6 +47,7 @@ from parallel3d.data import build_tokenizer  # noqa: E402
 from parallel3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
 from parallel3d.models.generation import check_generation_args, generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
+from parallel3d.training.checkpoint_layers import saved_split, stage_order  # noqa: E402
 from parallel3d.training.training_guards import errors_as_one_line  # noqa: E402
 from parallel3d.tools.checkpoint.parallel3d_format import config_from_metadata  # noqa: E402
 from parallel3d.tools.checkpoint.schema import ConversionError  # noqa: E402
@@ -102,6 +103,13 @@ def load_model(load_dir: str, *, sequence_parallel: bool = False,
     tp_rank, pp_rank = st.tensor_model_parallel_rank, st.pipeline_model_parallel_rank
     pp, vp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
     partition = partition_layers(config.num_layers, pp, vp, layers_per_stage=config.layers_per_virtual_stage())
+    split = saved_split(meta, pp)
+    if split is not None:  # the layers each stage was trained with (the default split is cost-balanced)
+        if stage_order(split)[0] != "loop":
+            raise CheckpointError(f"{ckpt_dir} places its pipeline chunks in the V of zb-v / dualpipev, which "
+                                  "generation and conversion do not read yet: generate from a checkpoint trained "
+                                  "with another --pipeline-schedule")
+        partition = [[range(c[0], c[-1] + 1) if c else range(0) for c in chunks] for chunks in split]
     chunks = []
     for c in range(vp):
         chunk = GPTModel(config, pre_process=pp_rank == 0 and c == 0, post_process=pp_rank == pp - 1 and c == vp - 1,

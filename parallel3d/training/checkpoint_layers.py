@@ -34,21 +34,26 @@ def chunk_layers(chunks: Sequence[torch.nn.Module]) -> Optional[list[list[int]]]
     return [list(n) for n in numbers] if all(isinstance(n, range) for n in numbers) else None
 
 
-def layout_string(split: Split) -> str:
-    """Megatron's ``--pipeline-model-parallel-layout`` for a split: its virtual stages in layer order.
+def stage_order(split: Split) -> tuple[str, list[tuple[int, int]]]:
+    """(placement, the (rank, chunk) of each virtual stage in layer order) of a saved split.
 
-    Virtual stage v of P ranks is (rank v % P, chunk v // P), or in the V of zb-v / dualpipev
-    chunk 1 of rank 2P-1-v; whichever order lists the layers 0, 1, 2, ... is the checkpoint's."""
+    Virtual stage v of P ranks is (rank v % P, chunk v // P) in the loop placement, or in the V of
+    zb-v / dualpipev chunk 1 of rank 2P-1-v; whichever lists the layers 0, 1, 2, ... is the split's."""
     P, V = len(split), len(split[0])
-    orders = [[(v % P, v // P) for v in range(P * V)]]
+    orders = {"loop": [(v % P, v // P) for v in range(P * V)]}
     if V == 2:
-        orders.append([(v, 0) if v < P else (2 * P - 1 - v, 1) for v in range(2 * P)])
-    for order in orders:
+        orders["v"] = [(v, 0) if v < P else (2 * P - 1 - v, 1) for v in range(2 * P)]
+    for placement, order in orders.items():
         stages = [split[p][c] for p, c in order]
         if sum(stages, []) == list(range(sum(len(s) for s in stages))):
-            parts = ["t" * len(s) for s in stages]
-            return "|".join(["E" + parts[0]] + parts[1:-1] + [parts[-1] + "L"]) if len(parts) > 1 else f"E{parts[0]}L"
+            return placement, order
     raise ValueError(f"layer_numbers {split} list no layer order")
+
+
+def layout_string(split: Split) -> str:
+    """Megatron's ``--pipeline-model-parallel-layout`` for a split: its virtual stages in layer order."""
+    parts = ["t" * len(split[p][c]) for p, c in stage_order(split)[1]]
+    return "|".join(["E" + parts[0]] + parts[1:-1] + [parts[-1] + "L"]) if len(parts) > 1 else f"E{parts[0]}L"
 
 
 def check_layer_split(ckpt_dir: str, meta: dict[str, Any], chunks: Sequence[torch.nn.Module], pp_rank: int,
