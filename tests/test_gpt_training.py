@@ -20,6 +20,8 @@ from parallel3d.training import checkpointing
 from parallel3d.training.arguments import parse_args
 from parallel3d.training.checkpoint_args import apply_checkpoint_args
 from parallel3d.tools import generate as generate_tool
+from parallel3d.tools.convert_checkpoint import convert
+from safetensors.torch import load_file
 from parallel3d import parallel_state as ps
 from parallel3d.testing import run_distributed
 
@@ -265,3 +267,27 @@ def test_a_run_that_splits_the_layers_otherwise_is_refused_with_the_layout_that_
         assert resumed == 2  # iterations 3 and 4
         assert layout == (2, "Etttt|ttttL")  # --use-checkpoint-args takes the saved split with the layout
         assert generation_layers == [range(0, 5) if rank == 0 else range(5, 8)]
+
+
+def _zbv_save(rank, world_size, save_dir):
+    ps.initialize_model_parallel(1, 2, 2)
+    try:
+        args = layout_args("gpt2", 1, 2, 2, extra=["--pipeline-schedule", "zb-v"], world=world_size, iters=2)
+        args.save, args.save_interval = save_dir, 2
+        train(args)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_a_zero_bubble_v_checkpoint_converts_to_one_stage(tmp_path):
+    """ZB-V puts rank 0's second chunk at the end of the model; the converter reads that placement."""
+    run_distributed(_zbv_save, 2, args=(str(tmp_path / "zbv"),), timeout=300)
+    convert("parallel3d", "parallel3d", str(tmp_path / "zbv"), str(tmp_path / "one"))
+    args = layout_args("gpt2", iters=2)  # the same training on one process
+    args.save, args.save_interval = str(tmp_path / "ref"), 2
+    train(args)
+    shard = os.path.join("iter_0000002", checkpointing.rank_dir_name(0, 0), "model.safetensors")
+    got, want = load_file(str(tmp_path / "one" / shard)), load_file(str(tmp_path / "ref" / shard))
+    assert sorted(got) == sorted(want)
+    for name in want:  # a layer in the wrong place would differ by the weights' own size, not 1e-5
+        assert (got[name] - want[name]).abs().max().item() <= 2e-5, name

@@ -106,9 +106,10 @@ def load_model(load_dir: str, *, sequence_parallel: bool = False,
     split = saved_split(meta, pp)
     if split is not None:  # the layers each stage was trained with (the default split is cost-balanced)
         if stage_order(split)[0] != "loop":
-            raise CheckpointError(f"{ckpt_dir} places its pipeline chunks in the V of zb-v / dualpipev, which "
-                                  "generation and conversion do not read yet: generate from a checkpoint trained "
-                                  "with another --pipeline-schedule")
+            raise CheckpointError(f"{ckpt_dir} places its pipeline chunks in the V of zb-v / dualpipev; generation "
+                                  "runs the loop placement: convert it first (python3 tools/convert_checkpoint.py "
+                                  "--loader parallel3d --saver parallel3d --load-dir ... --save-dir ... "
+                                  "--target-pipeline-parallel-size ...)")
         partition = [[range(c[0], c[-1] + 1) if c else range(0) for c in chunks] for chunks in split]
     chunks = []
     for c in range(vp):

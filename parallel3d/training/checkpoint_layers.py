@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from parallel3d.collectives import all_ranks_ok
+from parallel3d.pipeline.schedules import stage_location
 
 Split = list[list[list[int]]]  # [pp_rank][chunk] -> global layer indices
 
@@ -35,15 +36,11 @@ def chunk_layers(chunks: Sequence[torch.nn.Module]) -> Optional[list[list[int]]]
 
 
 def stage_order(split: Split) -> tuple[str, list[tuple[int, int]]]:
-    """(placement, the (rank, chunk) of each virtual stage in layer order) of a saved split.
-
-    Virtual stage v of P ranks is (rank v % P, chunk v // P) in the loop placement, or in the V of
-    zb-v / dualpipev chunk 1 of rank 2P-1-v; whichever lists the layers 0, 1, 2, ... is the split's."""
+    """(placement, the (rank, chunk) of each virtual stage in layer order) of a saved split: the loop
+    of Megatron's interleaving, or the V of zb-v / dualpipev, whichever lists the layers 0, 1, 2, ..."""
     P, V = len(split), len(split[0])
-    orders = {"loop": [(v % P, v // P) for v in range(P * V)]}
-    if V == 2:
-        orders["v"] = [(v, 0) if v < P else (2 * P - 1 - v, 1) for v in range(2 * P)]
-    for placement, order in orders.items():
+    for placement in ("loop", "v") if V == 2 else ("loop",):
+        order = [stage_location(v, P, placement) for v in range(P * V)]
         stages = [split[p][c] for p, c in order]
         if sum(stages, []) == list(range(sum(len(s) for s in stages))):
             return placement, order

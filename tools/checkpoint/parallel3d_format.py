@@ -43,7 +43,8 @@ from parallel3d.training.checkpointing import (
     read_metadata,
 )
 from parallel3d.pipeline.partition import partition_layers
-from parallel3d.pipeline.schedules import virtual_stage
+from parallel3d.pipeline.schedules import stage_location, virtual_stage
+from parallel3d.training.checkpoint_layers import saved_split, stage_order
 from parallel3d.training.safetensors_stream import StreamingSafetensorsWriter
 
 from .schema import ConversionError, ParamSpec, embedding_specs, head_specs, layer_specs, merge, shard
@@ -68,23 +69,24 @@ def config_from_metadata(model_config: dict[str, Any], where: str) -> Transforme
         raise ConversionError(f"{where}: its model_config is invalid: {e}") from e
 
 
-def virtual_stage_owner(pp: int, vp: Optional[int]) -> list[tuple[int, int]]:
-    """(pp_rank, chunk) of each virtual stage v = chunk * PP + pp_rank."""
-    return [(v % pp, v // pp) for v in range(pp * (vp or 1))]
+def virtual_stage_owner(pp: int, vp: Optional[int], placement: str = "loop") -> list[tuple[int, int]]:
+    """(pp_rank, chunk) of each virtual stage (v = chunk * PP + pp_rank in the loop; see stage_location)."""
+    return [stage_location(v, pp, placement) for v in range(pp * (vp or 1))]
 
 
-def expected_rank_tensors(config: TransformerConfig, counts: list[int], pp_rank: int
+def expected_rank_tensors(config: TransformerConfig, counts: list[int], pp_rank: int, placement: str = "loop"
                           ) -> dict[str, tuple[ParamSpec, str, Optional[int]]]:
     """key -> (spec, unit, global layer index) of every tensor in a (tp, pp_rank) file, in file order.
 
     ``counts[v]`` = layers of virtual stage v. ``unit`` is "embedding", "layer", "head" or
-    "tied_output" (the last stage's copy of a tied embedding).
+    "tied_output" (the last stage's copy of a tied embedding). ``placement``: where the chunks sit
+    ("v" for a checkpoint trained with zb-v / dualpipev).
     """
     pp, vp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
     out: dict[str, tuple[ParamSpec, str, Optional[int]]] = {}
     last = pp * vp - 1
     for chunk in range(vp):
-        v = virtual_stage(pp_rank, chunk, pp)
+        v = virtual_stage(pp_rank, chunk, pp, placement)
         if v == 0:
             for name, spec in embedding_specs(config).items():
                 out[f"model{chunk}.{name}"] = (spec, "embedding", None)
@@ -156,6 +158,7 @@ class Parallel3dLoader:
                         raise ConversionError(f"cannot read {path}: {e}") from e
                     self._files[t, p] = f
                     self._splits[t, p] = json.loads((f.metadata() or {}).get("tensor_parallel_splits", "{}"))
+            self.placement = self._placement(saved_split(meta, pp))
             self._counts = self._layer_counts()
             self._check_files()
             self._check_layer_numbers(meta.get("layer_numbers"))
@@ -164,17 +167,25 @@ class Parallel3dLoader:
             raise
         # global layer -> (pp_rank, chunk, local index)
         self._where: dict[int, tuple[int, int, int]] = {}
-        for v, (p, c) in enumerate(virtual_stage_owner(pp, vp)):
+        for v, (p, c) in enumerate(virtual_stage_owner(pp, vp, self.placement)):
             start = sum(self._counts[:v])
             for j in range(self._counts[v]):
                 self._where[start + j] = (p, c, j)
+
+    @staticmethod
+    def _placement(split: Optional[list]) -> str:
+        """Where the chunks sit: the loop, or the V of zb-v / dualpipev (from metadata's layer_numbers)."""
+        try:
+            return stage_order(split)[0] if split is not None else "loop"
+        except ValueError:
+            return "loop"  # layer_numbers in no order: _check_layer_numbers names the disagreement
 
     # ---------------------------------------------------------------- checks
     def _layer_counts(self) -> list[int]:
         cfg = self.config
         pp, vp = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
         counts = []
-        for p, c in virtual_stage_owner(pp, vp):
+        for p, c in virtual_stage_owner(pp, vp, self.placement):
             local = set()
             for key in self._files[0, p].keys():
                 m = _LAYER_KEY.match(key)
@@ -190,7 +201,7 @@ class Parallel3dLoader:
         cfg = self.config
         for (t, p), f in self._files.items():
             where = os.path.join(self.ckpt_dir, rank_dir_name(t, p), MODEL_FILE)
-            want = expected_rank_tensors(cfg, self._counts, p)
+            want = expected_rank_tensors(cfg, self._counts, p, self.placement)
             keys = set(f.keys())
             missing = [k for k in want if k not in keys]
             extra = sorted(keys - set(want))
@@ -219,7 +230,7 @@ class Parallel3dLoader:
         pp, vp = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1
         found = [[[] for _ in range(vp)] for _ in range(pp)]
         start = 0
-        for v, (p, c) in enumerate(virtual_stage_owner(pp, vp)):
+        for v, (p, c) in enumerate(virtual_stage_owner(pp, vp, self.placement)):
             found[p][c] = list(range(start, start + self._counts[v]))
             start += self._counts[v]
         if not isinstance(recorded, list) or not recorded:
@@ -249,8 +260,8 @@ class Parallel3dLoader:
 
     def head(self) -> dict[str, torch.Tensor]:
         cfg = self.config
-        c = (cfg.virtual_pipeline_model_parallel_size or 1) - 1
-        p = cfg.pipeline_model_parallel_size - 1
+        pp, vp = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1
+        p, c = stage_location(pp * vp - 1, pp, self.placement)
         return {name: self._read(p, f"model{c}.{name}", spec) for name, spec in head_specs(cfg).items()}
 
     def close(self) -> None:
