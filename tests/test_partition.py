@@ -5,7 +5,7 @@ import random
 import pytest
 
 from parallel3d.pipeline.partition import partition_layers, virtual_stage_costs
-from parallel3d.pipeline.schedules import build_schedule
+from parallel3d.pipeline.registry import build_schedule
 from parallel3d.pipeline.simulate import simulate
 
 

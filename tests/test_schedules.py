@@ -9,10 +9,10 @@ from parallel3d.pipeline.schedules import (
     Action,
     Schedule,
     ScheduleError,
-    build_schedule,
     interleaved_microbatch_groups,
     num_warmup_microbatches,
 )
+from parallel3d.pipeline.registry import build_schedule
 from parallel3d.pipeline.simulate import simulate, validate
 from parallel3d.pipeline import visualize
 

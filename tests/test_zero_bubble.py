@@ -5,7 +5,8 @@ import pytest
 
 from parallel3d.pipeline import visualize
 from parallel3d.pipeline.auto_schedule import auto_schedule, paper_costs
-from parallel3d.pipeline.schedules import Action, Schedule, ScheduleError, build_schedule
+from parallel3d.pipeline.registry import build_schedule
+from parallel3d.pipeline.schedules import Action, Schedule, ScheduleError
 from parallel3d.pipeline.simulate import simulate, validate
 
 ZB = ("zb-h1", "zb-h2", "zb-v", "dualpipev")

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallel3d.pipeline.schedules import build_schedule  # noqa: E402
+from parallel3d.pipeline.registry import build_schedule  # noqa: E402
 from parallel3d.pipeline.simulate import simulate  # noqa: E402
 from parallel3d.pipeline.visualize import text_timeline  # noqa: E402
 from parallel3d.planning import PRESETS, Layout, ModelSpec, StepEstimate, estimate, get_cluster, load_cluster  # noqa: E402

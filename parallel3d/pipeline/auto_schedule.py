@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from .schedules import Schedule, ScheduleError, _add_comm, build_schedule
+from .schedules import Schedule, ScheduleError, _add_comm
 from .simulate import SimResult, simulate, validate
-from .zero_bubble import greedy_orders, with_comm
+from .zero_bubble import build_named, greedy_orders, with_comm
 
 
 def paper_costs(hidden_size: float, seq_length: float) -> tuple[float, float, float, float, float]:
@@ -59,7 +59,7 @@ def _greedy(P: int, M: int, V: int, limit: int, times: tuple[float, float, float
 def candidates(P: int, M: int, V: int, times: tuple[float, float, float], comm_time: float,
                memory_limit: float) -> list[Schedule]:
     named = ["1f1b", "zb-h1", "zb-h2"] if V == 1 else ["zb-v"] + (["dualpipev"] if M >= 2 * P else [])
-    out = [build_schedule(name, P, M, V) for name in named]
+    out = [build_named(name, P, M, V) for name in named]
     # Greedy limits in chunk forwards: 1F1B's (P per rank, 2P chunks of a V) up to the memory limit.
     lowest = P * V
     for limit in range(lowest, max(lowest, int(memory_limit * V)) + 1):

@@ -20,7 +20,8 @@ from parallel3d import parallel_state
 
 from .executor import PipelineGroup, ScheduleExecutor
 from .p2p import TensorSpec
-from .schedules import Schedule, ScheduleError, build_schedule, forward_only_schedule, placement_of
+from .registry import build_schedule
+from .schedules import Schedule, ScheduleError, forward_only_schedule, placement_of
 from .simulate import validate
 from .zero_bubble import hoist_receives_over_w
 

@@ -426,7 +426,7 @@ def _one_chunk(order: Callable[[int, int], Order]) -> Builder:
     return lambda P, M, V, G: _add_comm(P, V, order(P, M))
 
 
-# Name -> builder. A new schedule registers here; check_schedule_args and the tests read the names.
+# Megatron's schedules, name -> builder; the zero-bubble ones are zero_bubble.BUILDERS.
 SCHEDULES: dict[str, Builder] = {
     "no-pipelining": _one_chunk(_no_pipelining_order),
     "gpipe": _one_chunk(_gpipe_order),
@@ -435,54 +435,11 @@ SCHEDULES: dict[str, Builder] = {
 }
 
 
-def _register_zero_bubble() -> None:
-    """The zero-bubble builders live in zero_bubble.py (which imports this module's types)."""
-    from . import zero_bubble as zb
-
-    def one(order: Callable[[int, int], list], placement: str, V: int) -> Builder:
-        # One chunk: comm next to the compute, as 1F1B (times every order exactly as built).
-        # The V: two flows share each pair of ranks, so their messages are ordered by level.
-        if V == 1:
-            return lambda P, M, _V, G: _add_comm(P, V, order(P, M), placement)
-        return lambda P, M, _V, G: zb.with_comm(order(P, M), P, V, placement)
-
-    SCHEDULES.update({"zb-h1": one(zb.zb_h1_orders, "loop", 1), "zb-h2": one(zb.zb_h2_orders, "loop", 1),
-                      "zb-v": one(zb.zb_v_orders, "v", 2), "dualpipev": one(zb.dualpipev_orders, "v", 2),
-                      "auto": lambda P, M, V, G: []})  # built by build_schedule from measured times
-
-
-_register_zero_bubble()
-SCHEDULE_NAMES = tuple(SCHEDULES)
+# Every name build_schedule (pipeline/registry.py) knows: these, the zero-bubble ones (zero_bubble.py) and 'auto'.
+SCHEDULE_NAMES = tuple(SCHEDULES) + ZERO_BUBBLE
 
 
 def _known(name: str) -> str:
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(SCHEDULES)}")
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(SCHEDULE_NAMES)}")
     return name
-
-
-def build_schedule(name: str, num_stages: int, num_microbatches: int, num_model_chunks: int | None = None,
-                   **kw) -> Schedule:
-    """Build a schedule by name: 'no-pipelining', 'gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1',
-    'zb-h2', 'zb-v', 'dualpipev' or 'auto'.
-
-    num_model_chunks defaults to 2 for the V-shaped schedules ('zb-v', 'dualpipev'), else 1.
-    Keyword options: microbatch_group_size_per_vp_stage (interleaved only; default num_stages);
-    hidden_size and seq_length, the model's shape, which only 'auto' uses (auto_options); for
-    'auto' also those of :func:`parallel3d.pipeline.auto_schedule.auto_schedule` (measured times,
-    memory limit), which win over the shape's.
-    """
-    V = default_num_model_chunks(name) if num_model_chunks is None else num_model_chunks
-    shape = kw.pop("hidden_size", None), kw.pop("seq_length", None)
-    if name == "auto":
-        from .auto_schedule import auto_options, auto_schedule
-
-        check_schedule_args(name, num_stages, num_microbatches, V, kw.pop("microbatch_group_size_per_vp_stage", None))
-        return auto_schedule(num_stages, num_microbatches, V, **{**auto_options(*shape), **kw})
-    group_size = kw.pop("microbatch_group_size_per_vp_stage", None)
-    if kw:
-        raise TypeError(f"build_schedule got unexpected keyword arguments {sorted(kw)}; "
-                        f"the only option is microbatch_group_size_per_vp_stage")
-    check_schedule_args(name, num_stages, num_microbatches, V, group_size)
-    actions = SCHEDULES[name](num_stages, num_microbatches, V, group_size)
-    return Schedule(name, num_stages, num_microbatches, V, actions, "v" if name in V_SHAPED else "loop")

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .schedules import Action, ActionKind, Schedule, stage_location, virtual_stage
+from .schedules import (SCHEDULES, Action, ActionKind, Builder, Schedule, _add_comm, check_schedule_args,
+                        placement_of, stage_location, virtual_stage)
 
 Step = tuple[str, int, int]  # (kind "F" | "B" | "W", microbatch, chunk)
 Times = tuple[float, float, float]  # (forward, backward = input gradient, weight gradient)
@@ -299,3 +300,23 @@ def dualpipev_orders(P: int, M: int) -> list[list[Step]]:
         order += deferred                      # 8: what is left
         orders.append(order)
     return orders
+
+
+def _builder(order, placement: str, V: int) -> Builder:
+    # One chunk: comm next to the compute, as 1F1B (times every order exactly as built).
+    # The V: two flows share each pair of ranks, so their messages are ordered by level.
+    if V == 1:
+        return lambda P, M, _V, G: _add_comm(P, V, order(P, M), placement)
+    return lambda P, M, _V, G: with_comm(order(P, M), P, V, placement)
+
+
+# The zero-bubble schedules, name -> builder ('auto', built from the others, is pipeline/registry.py's).
+BUILDERS: dict[str, Builder] = {"zb-h1": _builder(zb_h1_orders, "loop", 1), "zb-h2": _builder(zb_h2_orders, "loop", 1),
+                                "zb-v": _builder(zb_v_orders, "v", 2), "dualpipev": _builder(dualpipev_orders, "v", 2)}
+
+
+def build_named(name: str, P: int, M: int, V: int, group_size: int | None = None) -> Schedule:
+    """Any schedule but 'auto' by name (Megatron's or a zero-bubble one), its arguments checked first."""
+    check_schedule_args(name, P, M, V, group_size)
+    actions = (SCHEDULES.get(name) or BUILDERS[name])(P, M, V, group_size)
+    return Schedule(name, P, M, V, actions, placement_of(name, V))
