@@ -157,3 +157,24 @@ def test_linear_extension_holds_for_zero_bubble_schedules(name, V, monkeypatch):
     ext = simulate_pipeline(name, P, M, V, costs, 0.05)
     assert ext.makespan == pytest.approx(full.makespan, rel=1e-9)
     assert ext.peak_inflight == full.peak_inflight
+
+
+@pytest.mark.parametrize("argv,world", [
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+      "--virtual-pipeline-model-parallel-size", "2", "--sequence-parallel", "--global-batch-size", "32"], 4),
+    (["--pipeline-model-parallel-size", "4", "--global-batch-size", "64"], 4),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v", "--global-batch-size", "32"], 2),
+])
+def test_planner_places_the_layers_where_training_does(argv, world):
+    """The planner's layer split is pretrain_gpt's, TP's loss (a larger head cost) included."""
+    import sys
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import pretrain_gpt
+    from parallel3d.planning.memory import layer_partition
+
+    gpt = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+           "--vocab-size", "50257", "--micro-batch-size", "4"]
+    args = validate_args(parse_args(gpt + argv, extra_args_provider=pretrain_gpt.add_example_args), world)
+    training = pretrain_gpt.layer_partition(args, pretrain_gpt.transformer_config_from_args(args))
+    assert layer_partition(ModelSpec.from_args(args), Layout.from_args(args)) == training

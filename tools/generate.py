@@ -102,9 +102,10 @@ def load_model(load_dir: str, *, sequence_parallel: bool = False,
     st = parallel_state.resolve_parallel_state()
     tp_rank, pp_rank = st.tensor_model_parallel_rank, st.pipeline_model_parallel_rank
     pp, vp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
-    partition = partition_layers(config.num_layers, pp, vp, layers_per_stage=config.layers_per_virtual_stage())
-    split = saved_split(meta, pp)
-    if split is not None:  # the layers each stage was trained with (the default split is cost-balanced)
+    split = saved_split(meta, pp)  # the layers each stage was trained with (the default split is cost-balanced)
+    if split is None:  # a checkpoint that records none: the config's even (or first/last) split
+        partition = partition_layers(config.num_layers, pp, vp, layers_per_stage=config.layers_per_virtual_stage())
+    else:
         if stage_order(split)[0] != "loop":
             raise CheckpointError(f"{ckpt_dir} places its pipeline chunks in the V of zb-v / dualpipev; generation "
                                   "runs the loop placement: convert it first (python3 tools/convert_checkpoint.py "

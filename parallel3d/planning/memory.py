@@ -66,7 +66,8 @@ def layer_partition(model: ModelSpec, layout: Layout) -> list[list[range]]:
     P, V = layout.pp, layout.virtual_stages(model)
     args = SimpleNamespace(
         num_layers=model.num_layers, hidden_size=model.hidden_size, seq_length=model.seq_length,
-        vocab_size=model.vocab_size, pipeline_split=layout.pipeline_split, pipeline_model_parallel_layout=None,
+        vocab_size=model.vocab_size, tensor_model_parallel_size=layout.tp,  # which loss the head cost counts
+        pipeline_split=layout.pipeline_split, pipeline_model_parallel_layout=None,
         decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
     counts = layer_counts(args, P * V, model.vocab(layout.tp))
     return partition_layers(model.num_layers, P, V, layers_per_stage=counts, allow_empty_stages=counts is not None,
