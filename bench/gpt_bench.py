@@ -13,8 +13,9 @@ Extras:
 - ``--schedule-timing``: time every forward/backward of the pipeline schedule
   (CUDA events), then compare the measured step and bubble with the simulator's
   prediction from those per-stage times (the pipeline benchmark);
-- ``--profile-overlap``: profile one iteration and report how much NCCL kernel
-  time ran beside compute kernels (the DP overlap observation).
+- ``--profile-overlap``: profile one iteration and report where the last rank's GPU time went
+  (bench/profile_breakdown.py: GEMM, attention, other, communication and how much of it ran beside
+  compute, idle).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import pretrain_gpt  # noqa: E402
+from profile_breakdown import kernel_breakdown  # noqa: E402
 
 from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
@@ -110,26 +112,6 @@ def synthetic_iterator(args: argparse.Namespace):
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def nccl_overlap(prof) -> dict:
-    """Fraction of NCCL kernel time that ran while a compute kernel ran (from the profiler's kernel list)."""
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    comm = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" in e.name.lower()]
-    comp = sorted((e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower())
-    merged = []
-    for a, b in comp:  # union of compute intervals
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    total = sum(b - a for a, b in comm)
-    overlapped = 0.0
-    for a, b in comm:
-        for c, d in merged:
-            overlapped += max(0.0, min(b, d) - max(a, c))
-    return {"nccl_kernel_us": total, "nccl_beside_compute_us": overlapped,
-            "nccl_overlap_fraction": overlapped / total if total else None, "nccl_kernels": len(comm)}
 
 
 def main(argv=None) -> None:
@@ -224,7 +206,7 @@ def main(argv=None) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             train_step(forward_step, iterators, model, optimizer, scheduler, training_config, schedule=bench.schedule)
             sync()
-        result.update(nccl_overlap(prof))
+        result.update(kernel_breakdown(prof))
 
     if dist.get_rank() == dist.get_world_size() - 1:
         print("RESULT_JSON: " + json.dumps(result), flush=True)

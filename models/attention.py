@@ -130,9 +130,7 @@ class SelfAttention(nn.Module):
         self.kv_channels = config.kv_channels
         query_size = config.kv_channels * config.num_attention_heads
         kv_size = config.kv_channels * config.num_query_groups
-        common = dict(sequence_parallel=config.sequence_parallel,
-                      gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-                      params_dtype=config.params_dtype, tp_group=tp_group)
+        common = config.linear_kwargs(tp_group)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, query_size + 2 * kv_size, bias=config.add_bias_linear or config.add_qkv_bias,
             gather_output=False, init_method=init_method_normal(config.init_method_std), **common,

@@ -193,9 +193,7 @@ class GPTModel(nn.Module):
                     config.hidden_size, config.padded_vocab_size, bias=False, gather_output=False,
                     init_method=vocab_init(init_method_normal(config.init_method_std), config.vocab_size),
                     skip_weight_param_allocation=pre_process and tied,
-                    sequence_parallel=config.sequence_parallel,
-                    gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-                    params_dtype=config.params_dtype, tp_group=self.tp_group,
+                    **config.linear_kwargs(self.tp_group),
                 )
         self._mark_embedding_parameters()
 

@@ -47,10 +47,7 @@ class MLP(nn.Module):
 
     def __init__(self, config: TransformerConfig, tp_group: Optional[dist.ProcessGroup]):
         super().__init__()
-        common = dict(sequence_parallel=config.sequence_parallel,
-                      gradient_accumulation_fusion=config.gradient_accumulation_fusion,
-                      params_dtype=config.params_dtype, tp_group=tp_group, skip_bias_add=True,
-                      bias=config.add_bias_linear)
+        common = dict(config.linear_kwargs(tp_group), skip_bias_add=True, bias=config.add_bias_linear)
         gated = config.gated_linear_unit
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, config.ffn_hidden_size * (2 if gated else 1), gather_output=False,

@@ -14,7 +14,6 @@ finalisation read:
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Callable, Iterable, Optional
 
@@ -23,17 +22,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..collectives import reduce_scatter_tensor
 from ..device import default_device
+from .linear_functions import (
+    AllGatherLinear,
+    LinearReduceScatter,
+    linear_with_grad_accumulation_and_async_allreduce,
+)
 from .mappings import (
     all_reduce,
-    gather_along_first_dim,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from . import wgrad_store
 from .utils import divide, group_rank_and_size, resolve_tp_group, split_tensor_for_rank, vocab_range
 
 InitMethod = Callable[[torch.Tensor], None]
@@ -86,14 +87,19 @@ class _ParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, partition_dim: int, *, bias: bool = True,
                  init_method: Optional[InitMethod] = None, stride: int = 1, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, gradient_accumulation_fusion: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                 sequence_parallel: bool = False, tp_comm_overlap: bool = False,
+                 gradient_accumulation_fusion: bool = False, params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
                  tp_group: Optional[dist.ProcessGroup] = None, allocate_weight: bool = True) -> None:
         super().__init__()
         self.tp_group = resolve_tp_group(tp_group)
         rank, world = group_rank_and_size(self.tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.sequence_parallel = sequence_parallel
+        if tp_comm_overlap and not sequence_parallel:
+            raise ValueError(f"{type(self).__name__}: tp_comm_overlap=True needs sequence_parallel=True "
+                             "(it pipelines the sequence all-gather / reduce-scatter against the GEMM)")
+        # With one TP rank there is no communication to hide: the plain function is the same GEMM.
+        self.tp_comm_overlap = tp_comm_overlap and world > 1
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.skip_bias_add = skip_bias_add
         self.device = device or default_device()
@@ -122,102 +128,6 @@ class _ParallelLinear(nn.Module):
                 f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
 
 
-class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
-    """out = x W^T (+ b), with TP communication fused into forward/backward.
-
-    - ``sequence_parallel``: x is a sequence shard; all-gather it in forward
-      (and again in backward, rather than keeping the gathered copy alive) and
-      reduce-scatter the input gradient.
-    - ``allreduce_dgrad``: the input is replicated across TP; all-reduce its gradient.
-      The collective is started before the weight-gradient GEMM so they overlap.
-    - ``gradient_accumulation_fusion``: with ``weight.main_grad`` present (the DDP
-      buffer), the weight gradient GEMM accumulates straight into it.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group):
-        ctx.save_for_backward(x, weight)
-        ctx.use_bias = bias is not None
-        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
-        ctx.allreduce_dgrad = allreduce_dgrad
-        ctx.sequence_parallel = sequence_parallel
-        ctx.group = group
-        total_x = gather_along_first_dim(x, group) if sequence_parallel else x
-        out = torch.matmul(total_x, weight.t())
-        if bias is not None:
-            out = out + bias
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
-        group = ctx.group
-        total_x = gather_along_first_dim(x, group) if ctx.sequence_parallel else x
-        grad_input = grad_output.matmul(weight)
-
-        handle = None
-        _, size = group_rank_and_size(group)
-        if size == 1:
-            pass  # one TP rank: the input gradient is already complete
-        elif ctx.sequence_parallel:
-            sub_grad_input = torch.empty(
-                (grad_input.size(0) // size,) + tuple(grad_input.shape[1:]), dtype=grad_input.dtype,
-                device=grad_input.device,
-            )
-            handle = reduce_scatter_tensor(sub_grad_input, grad_input.contiguous(), group=group, async_op=True)
-        elif ctx.allreduce_dgrad:
-            grad_input = grad_input.contiguous()
-            handle = dist.all_reduce(grad_input, group=group, async_op=True)
-
-        grad_output_2d = grad_output.reshape(-1, grad_output.size(-1))
-        total_x_2d = total_x.reshape(-1, total_x.size(-1))
-        # A zero-bubble B: the weight-gradient GEMM waits for the schedule's W (the input
-        # gradient and its collective above stay here, on the critical path).
-        if wgrad_store.defer(weight, functools.partial(wgrad_store.add_weight_grad, weight, total_x_2d,
-                                                       grad_output_2d, ctx.gradient_accumulation_fusion)):
-            grad_weight = None
-        elif ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
-            from parallel3d.fused import wgrad_accumulate
-
-            wgrad_accumulate(total_x_2d, grad_output_2d, weight.main_grad)
-            if hasattr(weight, "grad_added_to_main_grad"):
-                # The DDP hook needs a gradient to fire on, and is told not to add it. A weight with
-                # other uses (a tied embedding) gets zeros: autograd sums its other gradients into
-                # this tensor, and the hook must then add them (Megatron's zero_out_wgrad).
-                if getattr(weight, "zero_out_wgrad", False):
-                    grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
-                else:
-                    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-                weight.grad_added_to_main_grad = True
-            else:
-                grad_weight = None
-        else:
-            grad_weight = grad_output_2d.t().matmul(total_x_2d)
-        grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
-
-        if handle is not None:
-            handle.wait()
-        if ctx.sequence_parallel and size > 1:
-            grad_input = sub_grad_input
-        return grad_input, grad_weight, grad_bias, None, None, None, None
-
-
-def linear_with_grad_accumulation_and_async_allreduce(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    gradient_accumulation_fusion: bool = False,
-    allreduce_dgrad: bool = False,
-    sequence_parallel: bool = False,
-    group: Optional[dist.ProcessGroup] = None,
-) -> torch.Tensor:
-    """Megatron's linear with the TP communication of its backward; ``group=None`` = the default
-    TP group (a single process when none is initialised), as for every tensor-parallel function."""
-    return LinearWithGradAccumulationAndAsyncCommunication.apply(
-        x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, resolve_tp_group(group)
-    )
-
-
 class ColumnParallelLinear(_ParallelLinear):
     """Y = X A + b with A split along its output (column) dim across TP ranks.
 
@@ -230,7 +140,9 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, input_size: int, output_size: int, *, gather_output: bool = False,
                  skip_weight_param_allocation: bool = False, **common: Any) -> None:
         """``common``: the keywords both linear layers take (:class:`_ParallelLinear`: bias, init_method,
-        stride, skip_bias_add, sequence_parallel, gradient_accumulation_fusion, params_dtype, device, tp_group)."""
+        stride, skip_bias_add, sequence_parallel, tp_comm_overlap, gradient_accumulation_fusion, params_dtype,
+        device, tp_group). ``tp_comm_overlap`` pipelines the sequence-parallel communication against the GEMM
+        (``linear_functions.AllGatherLinear`` / ``LinearReduceScatter``)."""
         if gather_output and common.get("sequence_parallel", False):
             raise ValueError("ColumnParallelLinear: gather_output=True is incompatible with sequence_parallel=True")
         super().__init__(input_size, output_size, 0, allocate_weight=not skip_weight_param_allocation, **common)
@@ -250,10 +162,13 @@ class ColumnParallelLinear(_ParallelLinear):
                     f"{(self.output_size_per_partition, self.input_size)}"
                 )
         bias = self.bias if not self.skip_bias_add else None
-        out = linear_with_grad_accumulation_and_async_allreduce(
-            x, weight, bias, self.gradient_accumulation_fusion, self.allreduce_dgrad,
-            self.sequence_parallel, self.tp_group,
-        )
+        if self.tp_comm_overlap:
+            out = AllGatherLinear.apply(x, weight, bias, self.gradient_accumulation_fusion, self.tp_group)
+        else:
+            out = linear_with_grad_accumulation_and_async_allreduce(
+                x, weight, bias, self.gradient_accumulation_fusion, self.allreduce_dgrad,
+                self.sequence_parallel, self.tp_group,
+            )
         out_bias = self.bias if self.skip_bias_add else None
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)
@@ -279,13 +194,16 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor):
         x_parallel = x if self.input_is_parallel else scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        out = linear_with_grad_accumulation_and_async_allreduce(
-            x_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False, self.tp_group
-        )
-        if self.sequence_parallel:
-            out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        if self.tp_comm_overlap:
+            out = LinearReduceScatter.apply(x_parallel, self.weight, self.gradient_accumulation_fusion, self.tp_group)
         else:
-            out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
+            out = linear_with_grad_accumulation_and_async_allreduce(
+                x_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False, self.tp_group
+            )
+            if self.sequence_parallel:
+                out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+            else:
+                out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         if self.skip_bias_add or self.bias is None:
             return out, (self.bias if self.skip_bias_add else None)
         return out + self.bias, None

@@ -1,0 +1,78 @@
+"""Where a profiled step's GPU time goes: GEMM, attention, other compute, communication exposed, idle.
+
+From the profiler's kernel list (``torch.profiler`` with CUDA activity) of one rank:
+- each kernel falls in one class by its name: ``comm`` (NCCL kernels and the peer-to-peer copies of
+  symmetric-memory TP overlap), ``gemm``, ``attention``, or ``other`` (elementwise, norms, loss, optimizer);
+- ``*_ms`` are the summed kernel times of a class (kernels on several streams can run at once, so the sum
+  can exceed the span);
+- ``comm_exposed_ms``: communication time during which no compute kernel ran (what overlap should hide);
+- ``idle_ms``: the part of the span (first kernel start to last kernel end) with no kernel at all (host
+  overhead, launch gaps, waits).
+"""
+from __future__ import annotations
+
+import torch
+
+GEMM = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")
+ATTENTION = ("flash", "fmha", "sdpa", "attention")
+
+
+def kernel_class(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n or "memcpy ptop" in n:  # PtoP: a copy between GPUs (symmetric memory)
+        return "comm"
+    if any(k in n for k in ATTENTION):
+        return "attention"
+    if any(k in n for k in GEMM):
+        return "gemm"
+    return "other"
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[list[float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def _length(merged: list[list[float]]) -> float:
+    return sum(b - a for a, b in merged)
+
+
+def _overlap(a: list[list[float]], b: list[list[float]]) -> float:
+    """Length of the intersection of two merged interval lists (two-pointer walk)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def kernel_breakdown(prof) -> dict:
+    """The breakdown (milliseconds) of the profiled kernels; also the DP-overlap figures
+    ``nccl_overlap_fraction`` etc. (share of communication that ran beside compute)."""
+    kernels = [(kernel_class(e.name), e.time_range.start, e.time_range.end)
+               for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return {}
+    sums = {c: 0.0 for c in ("gemm", "attention", "other", "comm")}
+    for c, a, b in kernels:
+        sums[c] += b - a
+    comm = _union([(a, b) for c, a, b in kernels if c == "comm"])
+    compute = _union([(a, b) for c, a, b in kernels if c != "comm"])
+    span = max(b for _, _, b in kernels) - min(a for _, a, _ in kernels)
+    beside = _overlap(comm, compute)
+    busy = _length(_union([(a, b) for _, a, b in kernels]))
+    us = 1e-3  # profiler times are microseconds
+    return {**{f"{c}_ms": v * us for c, v in sums.items()},
+            "comm_exposed_ms": (_length(comm) - beside) * us, "idle_ms": (span - busy) * us, "span_ms": span * us,
+            "nccl_kernel_us": _length(comm), "nccl_beside_compute_us": beside,
+            "nccl_overlap_fraction": beside / _length(comm) if comm else None,
+            "nccl_kernels": sum(1 for c, _, _ in kernels if c == "comm")}

@@ -1,0 +1,45 @@
+"""bench/profile_breakdown.py: the GPU-time breakdown BENCHMARKS.md quotes, on a made-up kernel list."""
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+from profile_breakdown import kernel_breakdown, kernel_class  # noqa: E402
+
+
+def _kernel(name, start, end):
+    return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
+                           time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_kernel_classes():
+    assert kernel_class("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL") == "comm"
+    assert kernel_class("Memcpy PtoP (Device -> Device)") == "comm"
+    assert kernel_class("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "gemm"
+    assert kernel_class("void pytorch_flash::flash_fwd_kernel<...>") == "attention"
+    assert kernel_class("vectorized_elementwise_kernel") == "other"
+
+
+def test_breakdown_counts_exposed_communication_and_idle():
+    cpu_op = SimpleNamespace(name="aten::mm", device_type=torch.autograd.DeviceType.CPU,
+                             time_range=SimpleNamespace(start=0, end=10_000))
+    prof = SimpleNamespace(events=lambda: [
+        _kernel("nvjet_gemm", 0, 1000),          # compute 0-1 ms
+        _kernel("ncclAllGather", 500, 1500),     # comm 0.5-1.5: half beside the GEMM
+        _kernel("flash_fwd", 2000, 2500),        # idle 1.5-2.0
+        _kernel("elementwise", 2400, 3000),
+        cpu_op,                                  # CPU events are not kernels
+    ])
+    r = kernel_breakdown(prof)
+    assert r["gemm_ms"] == pytest.approx(1.0) and r["attention_ms"] == pytest.approx(0.5)
+    assert r["other_ms"] == pytest.approx(0.6) and r["comm_ms"] == pytest.approx(1.0)
+    assert r["span_ms"] == pytest.approx(3.0)
+    assert r["comm_exposed_ms"] == pytest.approx(0.5)
+    assert r["idle_ms"] == pytest.approx(0.5)
+    assert r["nccl_overlap_fraction"] == pytest.approx(0.5)
+    assert kernel_breakdown(SimpleNamespace(events=lambda: [cpu_op])) == {}
