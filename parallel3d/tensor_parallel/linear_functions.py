@@ -153,8 +153,8 @@ def all_gather_matmul(shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessG
     the GEMM's per-rank pieces."""
     if shard.is_cuda:
         # return_A=True also keeps torch off its multicast (multimem) variant, which must not run here.
-        total, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(shard.contiguous(), [b], 0,
-                                                                  _symm_mem_group(group), return_A=True)
+        name = _symm_mem_group(group)  # first: importing symmetric memory registers torch.ops.symm_mem
+        total, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(shard.contiguous(), [b], 0, name, return_A=True)
         return total, out
     total = gather_along_first_dim(shard, group)
     return total, torch.matmul(total, b)
@@ -164,7 +164,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessG
     """The sum over the group of a @ b, scattered along dim 0; on CUDA each rank's piece is computed
     and sent while the next is computed."""
     if a.is_cuda:
-        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a.contiguous(), b, "sum", 0, _symm_mem_group(group))
+        name = _symm_mem_group(group)
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a.contiguous(), b, "sum", 0, name)
     return reduce_scatter_along_first_dim(torch.matmul(a, b), group)
 
 
