@@ -100,10 +100,8 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("average_in_collective=True cannot be combined with calculate_per_token_loss=True: "
                              "per-token losses are summed over DP and divided by the global token count")
         # Megatron's gradient_scaling_factor: average over DP unless the collective or num_tokens does it.
-        if self.calculate_per_token_loss or ddp_config.average_in_collective:
-            self.gradient_scaling_factor = 1.0
-        else:
-            self.gradient_scaling_factor = 1.0 / self.dp_size
+        self.gradient_scaling_factor = (1.0 if self.calculate_per_token_loss or ddp_config.average_in_collective
+                                        else 1.0 / self.dp_size)
         self._avg_in_collective_natively = (ddp_config.average_in_collective and self.dp_group is not None
                                             and backend_is_nccl(self.dp_group))
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import parallel_state as ps
+from parallel3d.collectives import all_reduce_over
 from parallel3d.model_chunk import is_first_stage_chunk, shared_weight
 
 from .clip_grads import (
@@ -148,12 +149,6 @@ def _unscale_and_check(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_s
         torch._foreach_mul_(grads, inv_scale)
 
 
-def _all_reduce_max(t: torch.Tensor, groups: Sequence[Optional[dist.ProcessGroup]]) -> None:
-    for group in groups:
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-
-
 class MegatronOptimizer:
     """The step shared by all optimizers: grads -> unscale / inf check -> norm and clip -> step -> copy back.
 
@@ -254,8 +249,7 @@ class MegatronOptimizer:
         """Zero the DDP gradient buffers of every chunk (main_grad) and drop the masters' gradients."""
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
-        for p in self._main_params():
-            p.grad = None
+        self._release_main_grads()
 
     def _release_main_grads(self) -> None:
         for p in self._main_params():
@@ -268,7 +262,7 @@ class MegatronOptimizer:
             _unscale_and_check(grads, found, self.grad_scaler.inv_scale)
         # Non-ZeRO grads are already identical across DP, but an Inf that appeared on one
         # rank after the reduction must still stop every rank, or the replicas diverge.
-        _all_reduce_max(found, (self.model_parallel_group, self.data_parallel_group))
+        all_reduce_over(found, dist.ReduceOp.MAX, (self.model_parallel_group, self.data_parallel_group))
         return bool(found.item() > 0)
 
     @torch.no_grad()
