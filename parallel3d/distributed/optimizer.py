@@ -301,8 +301,7 @@ class MegatronOptimizer:
         if self.config.optimizer == "adam":
             group = self.optimizer.param_groups[0]  # every group is built with the same implementation flags
             on_device = group.get("fused") or group.get("capturable")
-            state["step"] = (torch.tensor(float(step), dtype=torch.float32, device=main.device) if on_device
-                             else torch.tensor(float(step), dtype=torch.float32))
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=main.device if on_device else None)
         self.optimizer.state[main] = state
 
     def _state_tensors(self, main: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -369,12 +368,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         self.main_params: list[torch.Tensor] = []
         decay, no_decay = [], []
         for ci, name, p in self._named_trainable_params():
-            if p.dtype in _HALF:
-                main = self._make_main(p.detach().clone().float(), p)
-            elif p.dtype == torch.float32:
-                main = self._make_main(p, p)
-            else:
-                raise TypeError(f"chunk {ci} parameter {name!r} has dtype {p.dtype}; expected fp32, bf16 or fp16")
+            # fp32 parameters are their own masters (get_megatron_optimizer admits fp32, bf16 and fp16 only)
+            main = self._make_main(p.detach().clone().float() if p.dtype in _HALF else p, p)
             self.keys.append((ci, name))
             self.model_params.append(p)
             self.main_params.append(main)
@@ -424,12 +419,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
 
 class FP32Optimizer(MixedPrecisionOptimizer):
-    """All parameters fp32: the torch optimizer steps the model parameters themselves (no copies)."""
+    """All parameters fp32: the torch optimizer steps the model parameters themselves (no copies).
 
-    def __init__(self, config: OptimizerConfig, model_chunks: Sequence[DistributedDataParallel],
-                 state: Optional[ps.ParallelState] = None):
-        if config.bf16 or config.fp16:
-            raise ValueError("FP32Optimizer is for fp32 training; use MixedPrecisionOptimizer for bf16/fp16")
-        super().__init__(config, model_chunks, state)
-        if self._half_pairs:
-            raise TypeError("FP32Optimizer got half-precision parameters")
+    What get_megatron_optimizer builds for a config without bf16 / fp16, whose chunks it checked hold fp32
+    parameters only; the steps are MixedPrecisionOptimizer's, with no half-precision pair to copy."""
