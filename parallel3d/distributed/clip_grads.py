@@ -53,14 +53,12 @@ def get_grad_norm_fp32(
     if norm_type <= 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
     grads = [g for g in grads_for_norm if g.numel() > 0]
-    dev = _device_of(grads, device)
+    total = torch.zeros((), dtype=torch.float32, device=_device_of(grads, device))
     if math.isinf(norm_type):
-        total = torch.zeros((), dtype=torch.float32, device=dev)
         if grads:
             total = torch.stack([g.detach().abs().max().float() for g in grads]).max()
         all_reduce_over(total, dist.ReduceOp.MAX, reduce_groups)
         return float(total.item())
-    total = torch.zeros((), dtype=torch.float32, device=dev)
     if grads:
         norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
         total = torch.stack(norms).pow(norm_type).sum()

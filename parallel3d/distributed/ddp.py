@@ -90,10 +90,8 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError("DistributedDataParallel under torch.distributed needs dp_group=, or the groups of "
                                "parallel_state.initialize_model_parallel(): model parallel groups are not initialised")
         self.dp_group = dp_group if dp_group is not None else parallel_state.resolve_parallel_state().data_parallel_group
-        if self.dp_group is None:
-            self.dp_size, self.dp_rank = 1, 0
-        else:
-            self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
+        self.dp_size, self.dp_rank = ((1, 0) if self.dp_group is None
+                                      else (dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)))
         self.calculate_per_token_loss = bool(getattr(getattr(module, "config", None), "calculate_per_token_loss",
                                                      False))
         if self.calculate_per_token_loss and ddp_config.average_in_collective:
