@@ -23,6 +23,13 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
     return fn(output, input, group=group, async_op=async_op)
 
 
+def all_reduce_over(t: torch.Tensor, op, groups) -> None:
+    """All-reduce ``t`` over each of ``groups`` in turn (orthogonal groups), skipping None and one-rank groups."""
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=op, group=group)
+
+
 def all_ranks_ok(ok: bool, what: str) -> bool:
     """Whether every rank reports ok: a sync point that, unlike a barrier, lets all ranks learn of one's
     failure (so each can say so and stop). ``what`` names the step in a timeout's message."""

@@ -331,9 +331,7 @@ class IndexedDataset(torch.utils.data.Dataset):
         idx = self._check_idx(int(idx))
         seq_len = int(self._sequence_lengths[idx])
         offset = int(offset)
-        if length is None:
-            length = seq_len - offset
-        length = int(length)
+        length = seq_len - offset if length is None else int(length)
         if offset < 0 or length < 0 or offset + length > seq_len:
             raise IndexError(
                 f"tokens [{offset}, {offset + length}) out of range for sequence {idx} of length {seq_len}"

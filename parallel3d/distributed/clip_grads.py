@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d import parallel_state
+from parallel3d.collectives import all_reduce_over
 from parallel3d.device import default_device
 from parallel3d.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
@@ -27,12 +28,6 @@ from parallel3d.tensor_parallel import param_is_not_tensor_parallel_duplicate
 def param_is_counted_in_grad_norm(param: torch.Tensor, tp_rank: int) -> bool:
     """Megatron's ``is_not_shared and is_not_tp_duplicate`` filter."""
     return not getattr(param, "shared", False) and param_is_not_tensor_parallel_duplicate(param, tp_rank)
-
-
-def _reduce(t: torch.Tensor, op, groups: Sequence[Optional[dist.ProcessGroup]]) -> None:
-    for group in groups:
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(t, op=op, group=group)
 
 
 def _device_of(grads: Sequence[torch.Tensor], device: Optional[torch.device]) -> torch.device:
@@ -58,18 +53,16 @@ def get_grad_norm_fp32(
     if norm_type <= 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
     grads = [g for g in grads_for_norm if g.numel() > 0]
-    dev = _device_of(grads, device)
+    total = torch.zeros((), dtype=torch.float32, device=_device_of(grads, device))
     if math.isinf(norm_type):
-        total = torch.zeros((), dtype=torch.float32, device=dev)
         if grads:
             total = torch.stack([g.detach().abs().max().float() for g in grads]).max()
-        _reduce(total, dist.ReduceOp.MAX, reduce_groups)
+        all_reduce_over(total, dist.ReduceOp.MAX, reduce_groups)
         return float(total.item())
-    total = torch.zeros((), dtype=torch.float32, device=dev)
     if grads:
         norms = torch._foreach_norm([g.detach().float() for g in grads], norm_type)
         total = torch.stack(norms).pow(norm_type).sum()
-    _reduce(total, dist.ReduceOp.SUM, reduce_groups)
+    all_reduce_over(total, dist.ReduceOp.SUM, reduce_groups)
     return float(total.item()) ** (1.0 / norm_type)
 
 
@@ -88,7 +81,7 @@ def count_zeros_fp32(grads_for_norm: Sequence[torch.Tensor],
     total = torch.zeros((), dtype=torch.float64, device=dev)
     for g in grads_for_norm:
         total += g.numel() - torch.count_nonzero(g)
-    _reduce(total, dist.ReduceOp.SUM, reduce_groups)
+    all_reduce_over(total, dist.ReduceOp.SUM, reduce_groups)
     return int(total.item())
 
 

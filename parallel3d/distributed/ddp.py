@@ -90,20 +90,16 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError("DistributedDataParallel under torch.distributed needs dp_group=, or the groups of "
                                "parallel_state.initialize_model_parallel(): model parallel groups are not initialised")
         self.dp_group = dp_group if dp_group is not None else parallel_state.resolve_parallel_state().data_parallel_group
-        if self.dp_group is None:
-            self.dp_size, self.dp_rank = 1, 0
-        else:
-            self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
+        self.dp_size, self.dp_rank = ((1, 0) if self.dp_group is None
+                                      else (dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)))
         self.calculate_per_token_loss = bool(getattr(getattr(module, "config", None), "calculate_per_token_loss",
                                                      False))
         if self.calculate_per_token_loss and ddp_config.average_in_collective:
             raise ValueError("average_in_collective=True cannot be combined with calculate_per_token_loss=True: "
                              "per-token losses are summed over DP and divided by the global token count")
         # Megatron's gradient_scaling_factor: average over DP unless the collective or num_tokens does it.
-        if self.calculate_per_token_loss or ddp_config.average_in_collective:
-            self.gradient_scaling_factor = 1.0
-        else:
-            self.gradient_scaling_factor = 1.0 / self.dp_size
+        self.gradient_scaling_factor = (1.0 if self.calculate_per_token_loss or ddp_config.average_in_collective
+                                        else 1.0 / self.dp_size)
         self._avg_in_collective_natively = (ddp_config.average_in_collective and self.dp_group is not None
                                             and backend_is_nccl(self.dp_group))
 

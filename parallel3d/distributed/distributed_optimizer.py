@@ -70,10 +70,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self.shards: list[_BucketShard] = []
         decay, no_decay = [], []
         for ci, chunk in enumerate(self.model_chunks):
-            for buf in chunk.param_and_grad_buffers:
-                if buf.param_data is None:
-                    raise ValueError(f"model chunk {ci} has no parameter buffer: wrap it with "
-                                     "DistributedDataParallelConfig(use_distributed_optimizer=True)")
+            for buf in chunk.param_and_grad_buffers:  # get_megatron_optimizer checked they hold a parameter buffer
                 for bucket in buf.buckets:
                     start, end = bucket.shard_range()
                     param_shard, grad_shard = bucket.local_param_shard(), bucket.local_grad_shard()

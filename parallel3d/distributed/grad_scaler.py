@@ -2,15 +2,13 @@
 
 The scale is a Python float: the optimizer must read the found-inf flag on the
 host anyway to decide whether to skip the step, so a device-resident scale
-would save nothing.
+would save nothing. The settings are OptimizerConfig's, validated there (the optimizer builds the scaler).
 """
 from __future__ import annotations
 
 
 class ConstantGradScaler:
     def __init__(self, initial_scale: float):
-        if initial_scale <= 0:
-            raise ValueError(f"loss scale must be positive, got {initial_scale}")
         self._scale = float(initial_scale)
 
     @property
@@ -41,14 +39,6 @@ class DynamicGradScaler(ConstantGradScaler):
     def __init__(self, initial_scale: float, min_scale: float, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2):
         super().__init__(initial_scale)
-        if not 0 < min_scale <= initial_scale:
-            raise ValueError(f"min_scale must be in (0, initial_scale={initial_scale}], got {min_scale}")
-        if growth_factor <= 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if growth_interval < 1 or hysteresis < 1:
-            raise ValueError(f"growth_interval ({growth_interval}) and hysteresis ({hysteresis}) must be >= 1")
         self.min_scale = float(min_scale)
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)

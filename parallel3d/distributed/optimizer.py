@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import parallel_state as ps
+from parallel3d.collectives import all_reduce_over
 from parallel3d.model_chunk import is_first_stage_chunk, shared_weight
 
 from .clip_grads import (
@@ -148,12 +149,6 @@ def _unscale_and_check(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_s
         torch._foreach_mul_(grads, inv_scale)
 
 
-def _all_reduce_max(t: torch.Tensor, groups: Sequence[Optional[dist.ProcessGroup]]) -> None:
-    for group in groups:
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-
-
 class MegatronOptimizer:
     """The step shared by all optimizers: grads -> unscale / inf check -> norm and clip -> step -> copy back.
 
@@ -254,8 +249,7 @@ class MegatronOptimizer:
         """Zero the DDP gradient buffers of every chunk (main_grad) and drop the masters' gradients."""
         for chunk in self.model_chunks:
             chunk.zero_grad_buffer()
-        for p in self._main_params():
-            p.grad = None
+        self._release_main_grads()
 
     def _release_main_grads(self) -> None:
         for p in self._main_params():
@@ -268,7 +262,7 @@ class MegatronOptimizer:
             _unscale_and_check(grads, found, self.grad_scaler.inv_scale)
         # Non-ZeRO grads are already identical across DP, but an Inf that appeared on one
         # rank after the reduction must still stop every rank, or the replicas diverge.
-        _all_reduce_max(found, (self.model_parallel_group, self.data_parallel_group))
+        all_reduce_over(found, dist.ReduceOp.MAX, (self.model_parallel_group, self.data_parallel_group))
         return bool(found.item() > 0)
 
     @torch.no_grad()
@@ -307,8 +301,7 @@ class MegatronOptimizer:
         if self.config.optimizer == "adam":
             group = self.optimizer.param_groups[0]  # every group is built with the same implementation flags
             on_device = group.get("fused") or group.get("capturable")
-            state["step"] = (torch.tensor(float(step), dtype=torch.float32, device=main.device) if on_device
-                             else torch.tensor(float(step), dtype=torch.float32))
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=main.device if on_device else None)
         self.optimizer.state[main] = state
 
     def _state_tensors(self, main: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -375,12 +368,8 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         self.main_params: list[torch.Tensor] = []
         decay, no_decay = [], []
         for ci, name, p in self._named_trainable_params():
-            if p.dtype in _HALF:
-                main = self._make_main(p.detach().clone().float(), p)
-            elif p.dtype == torch.float32:
-                main = self._make_main(p, p)
-            else:
-                raise TypeError(f"chunk {ci} parameter {name!r} has dtype {p.dtype}; expected fp32, bf16 or fp16")
+            # fp32 parameters are their own masters (get_megatron_optimizer admits fp32, bf16 and fp16 only)
+            main = self._make_main(p.detach().clone().float() if p.dtype in _HALF else p, p)
             self.keys.append((ci, name))
             self.model_params.append(p)
             self.main_params.append(main)
@@ -430,12 +419,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
 
 class FP32Optimizer(MixedPrecisionOptimizer):
-    """All parameters fp32: the torch optimizer steps the model parameters themselves (no copies)."""
+    """All parameters fp32: the torch optimizer steps the model parameters themselves (no copies).
 
-    def __init__(self, config: OptimizerConfig, model_chunks: Sequence[DistributedDataParallel],
-                 state: Optional[ps.ParallelState] = None):
-        if config.bf16 or config.fp16:
-            raise ValueError("FP32Optimizer is for fp32 training; use MixedPrecisionOptimizer for bf16/fp16")
-        super().__init__(config, model_chunks, state)
-        if self._half_pairs:
-            raise TypeError("FP32Optimizer got half-precision parameters")
+    What get_megatron_optimizer builds for a config without bf16 / fp16, whose chunks it checked hold fp32
+    parameters only; the steps are MixedPrecisionOptimizer's, with no half-precision pair to copy."""

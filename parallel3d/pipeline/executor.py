@@ -355,6 +355,4 @@ class ScheduleExecutor:
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
+    return next((p.device for p in model.parameters()), torch.device("cpu"))

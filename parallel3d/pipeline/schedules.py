@@ -45,10 +45,6 @@ class ActionKind(str, Enum):
         return self not in (ActionKind.F, ActionKind.B, ActionKind.W)
 
 
-COMPUTE_KINDS = tuple(k.value for k in ActionKind if not k.is_comm)
-COMM_KINDS = tuple(k.value for k in ActionKind if k.is_comm)
-
-
 class ScheduleError(ValueError):
     """A schedule is incomplete, mismatched or would deadlock."""
 
@@ -85,7 +81,7 @@ class Action:
         try:
             object.__setattr__(self, "kind", ActionKind(self.kind))
         except ValueError:
-            raise ValueError(f"unknown action kind {self.kind!r}; valid kinds: {COMPUTE_KINDS + COMM_KINDS}") from None
+            raise ValueError(f"unknown action kind {self.kind!r}; valid kinds: {tuple(k.value for k in ActionKind)}") from None
         if self.is_comm and self.peer is None:
             raise ValueError(f"{self.kind}{self.microbatch}.{self.chunk} needs a peer rank")
         if not self.is_comm and self.peer is not None:
@@ -165,15 +161,11 @@ def check_schedule_args(name: str, num_stages: int, num_microbatches: int, num_m
     """The schedule's rules (its stage, microbatch and chunk counts): a ValueError naming them, else None."""
     _known(name)
     P, M, V = num_stages, num_microbatches, num_model_chunks
-    for arg, value in (("num_stages", P), ("num_microbatches", M), ("num_model_chunks", V)):
+    for arg, value in (("num_stages (pipeline size)", P), ("num_microbatches", M), ("num_model_chunks", V)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{arg} must be an int, got {value!r}")
-    if P < 1:
-        raise ValueError(f"num_stages (pipeline size) must be >= 1, got {P}")
-    if M < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {M}")
-    if V < 1:
-        raise ValueError(f"num_model_chunks must be >= 1, got {V}")
+        if value < 1:
+            raise ValueError(f"{arg} must be >= 1, got {value}")
     if name == "no-pipelining" and P != 1:
         raise ValueError(f"'no-pipelining' runs the whole model on one rank, so num_stages must be 1, "
                          f"got {P}; use 'gpipe', '1f1b' or 'interleaved-1f1b' for {P} stages")

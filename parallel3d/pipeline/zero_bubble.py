@@ -38,12 +38,7 @@ def _dependencies(step: Step, rank: int, P: int, V: int, placement: str) -> list
     if kind == "W":
         return [(rank, ("B", mb, chunk))]
     v, last = virtual_stage(rank, chunk, P, placement), P * V - 1
-    if kind == "F":
-        other = v - 1
-        deps = []
-    else:
-        other = v + 1
-        deps = [(rank, ("F", mb, chunk))]
+    other, deps = (v - 1, []) if kind == "F" else (v + 1, [(rank, ("F", mb, chunk))])
     if 0 <= other <= last:
         src_rank, src_chunk = stage_location(other, P, placement)
         deps.append((src_rank, (kind, mb, src_chunk)))

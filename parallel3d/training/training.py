@@ -327,10 +327,8 @@ class TrainingLogger:
         flops = model_flops(self.model_config, layout.global_batch_size)
         tflops = flops / per_iter / layout.world_size / 1e12 if flops is not None else None
         peak = peak_tflops(self.config.logging)
-        if torch.cuda.is_available():
-            mem_gb = torch.cuda.max_memory_allocated() / 2 ** 30
-        else:
-            mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+        mem_gb = (torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available()
+                  else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20)  # ru_maxrss: KiB on Linux
         loss = {k: v / max(self.iters, 1) for k, v in self.sums.items()}
         record = {"type": "train", "iteration": iteration, "loss": loss.get("lm loss", next(iter(loss.values()), float("nan"))),
                   "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,

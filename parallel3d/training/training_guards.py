@@ -31,10 +31,7 @@ class TrainingError(RuntimeError):
 
 
 def _first_nonfinite(named: Iterator[tuple[str, Optional[torch.Tensor]]]) -> Optional[str]:
-    for name, t in named:
-        if t is not None and not bool(torch.isfinite(t).all()):
-            return name
-    return None
+    return next((name for name, t in named if t is not None and not bool(torch.isfinite(t).all())), None)
 
 
 def locate_nonfinite(model: Sequence[torch.nn.Module], loss_is_finite: bool) -> str:
@@ -91,7 +88,7 @@ class StepGuard:
 
         Every rank sees the same loss (all-reduced) and the same norm, so all decide alike.
         """
-        values = {k: v for k, v in loss.items()}
+        values = dict(loss)
         if grad_norm is not None:
             values["grad norm"] = grad_norm
         loss_is_finite = all(math.isfinite(v) for v in loss.values())
