@@ -96,14 +96,7 @@ __global__ void bias_dropout_add_fwd_kernel(const T* __restrict__ x, const T* __
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * VEC;
   if (col >= cols) return;
   float b[VEC];
-  if (bias != nullptr) {
-    const Pack<T, VEC> bp = load_pack<T, VEC>(bias + col);
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) b[v] = static_cast<float>(bp.v[v]);
-  } else {
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) b[v] = 0.f;
-  }
+  load_bias<T, VEC>(bias, col, b);
   const int64_t step = static_cast<int64_t>(gridDim.y) * 8;
 #pragma unroll 2
   for (int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; r < rows; r += step) {
@@ -197,28 +190,19 @@ std::vector<at::Tensor> bias_dropout_add_fwd(const at::Tensor& x,
     std::lock_guard<std::mutex> lock(gen->mutex_);
     philox = gen->philox_cuda_state(4);
   }
-  auto stream = c10::cuda::getCurrentCUDAStream();
   const uint32_t threshold = dropout_threshold(prob);
   const float scale = drop ? static_cast<float>(1.0 / (1.0 - prob)) : 1.f;
   P3D_DISPATCH_FLOATING(x.scalar_type(), "bias_dropout_add", [&] {
     using T = scalar_t;
     const T* bp = bias ? bias->data_ptr<T>() : nullptr;
-    auto launch = [&](auto vec_tag, auto drop_tag) {
-      constexpr int VEC = decltype(vec_tag)::value;
-      constexpr bool DROP = decltype(drop_tag)::value;
-      const RowColGrid g = row_col_grid(rows, cols / VEC);
-      bias_dropout_add_fwd_kernel<T, VEC, DROP><<<g.grid, g.block, 0, stream>>>(
-          x.data_ptr<T>(), bp, residual.data_ptr<T>(), out.data_ptr<T>(), rows, cols, threshold, scale, philox,
-          seed_offset.data_ptr<int64_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
     const bool vec = use_vec<T>(cols, {x.data_ptr(), bp, residual.data_ptr(), out.data_ptr()});
-    using V = std::integral_constant<int, vec16<T>()>;
-    using S = std::integral_constant<int, 1>;
-    if (vec && drop) launch(V{}, std::true_type{});
-    else if (vec) launch(V{}, std::false_type{});
-    else if (drop) launch(S{}, std::true_type{});
-    else launch(S{}, std::false_type{});
+    dispatch_vec<T>(vec, drop, [&](auto vec_tag, auto drop_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      const RowColGrid g = row_col_grid(rows, cols / VEC);
+      launch_kernel(bias_dropout_add_fwd_kernel<T, VEC, decltype(drop_tag)::value>, g.grid, g.block, 0,
+                    x.data_ptr<T>(), bp, residual.data_ptr<T>(), out.data_ptr<T>(), rows, cols, threshold, scale,
+                    philox, seed_offset.data_ptr<int64_t>());
+    });
   });
   return {out, seed_offset};
 }
@@ -234,34 +218,21 @@ std::vector<at::Tensor> bias_dropout_add_bwd(const at::Tensor& dy, const at::Ten
   c10::cuda::CUDAGuard guard(dy.device());
   at::Tensor dx = new_output(dy.sizes(), dy.options());
   const int64_t cols = dy.size(-1), rows = cols == 0 ? 0 : dy.numel() / cols;
-  if (dy.numel() == 0) {
-    std::vector<at::Tensor> out{dx};
-    if (has_bias) out.push_back(at::zeros({cols}, dy.options()));
-    return out;
-  }
-  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (dy.numel() == 0) return dx_and_dbias(dx, has_bias, at::Tensor(), cols);
   const uint32_t threshold = dropout_threshold(prob);
   const float scale = static_cast<float>(1.0 / (1.0 - prob));
   at::Tensor part;
   P3D_DISPATCH_FLOATING(dy.scalar_type(), "bias_dropout_add backward", [&] {
     using T = scalar_t;
-    auto launch = [&](auto vec_tag) {
+    dispatch_vec<T>(use_vec<T>(cols, {dy.data_ptr(), dx.data_ptr()}), [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       const RowColGrid g = row_col_grid(rows, cols / VEC);
-      if (has_bias) part = new_output({static_cast<int64_t>(g.grid.y), cols}, dy.options().dtype(at::kFloat));
-      bias_dropout_add_bwd_kernel<T, VEC><<<g.grid, g.block, 0, stream>>>(
-          dy.data_ptr<T>(), dx.data_ptr<T>(), has_bias ? part.data_ptr<float>() : nullptr, rows,
-          cols, threshold, scale, seed_offset.data_ptr<int64_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (use_vec<T>(cols, {dy.data_ptr(), dx.data_ptr()}))
-      launch(std::integral_constant<int, vec16<T>()>{});
-    else
-      launch(std::integral_constant<int, 1>{});
+      launch_kernel(bias_dropout_add_bwd_kernel<T, VEC>, g.grid, g.block, 0, dy.data_ptr<T>(), dx.data_ptr<T>(),
+                    new_partials(part, has_bias, g, cols, dy), rows, cols, threshold, scale,
+                    seed_offset.data_ptr<int64_t>());
+    });
   });
-  std::vector<at::Tensor> out{dx};
-  if (has_bias) out.push_back(sum_partials(part, dy.scalar_type()));
-  return out;
+  return dx_and_dbias(dx, has_bias, part, cols);
 }
 
 }  // namespace p3d

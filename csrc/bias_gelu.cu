@@ -47,10 +47,8 @@ __device__ __forceinline__ float gelu_grad(float x) {
 template <typename T, int VEC, bool TANH>
 __global__ void bias_gelu_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                      T* __restrict__ y, int64_t rows, int64_t cols) {
-  const int64_t cp = cols / VEC, total = rows * cp;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-#pragma unroll 4
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += step) {
+  const int64_t cp = cols / VEC;
+  P3D_FLAT_LOOP(i, rows * cp) {
     const int64_t col = (i % cp) * VEC;
     Pack<T, VEC> bp;
     if (bias != nullptr) bp = load_pack<T, VEC>(bias + col);
@@ -116,26 +114,15 @@ at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& b
   at::Tensor y = new_output(x.sizes(), x.options());
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   if (x.numel() == 0) return y;
-  auto stream = c10::cuda::getCurrentCUDAStream();
   P3D_DISPATCH_FLOATING(x.scalar_type(), "bias_gelu", [&] {
     using T = scalar_t;
     const T* bp = bias ? bias->data_ptr<T>() : nullptr;
-    auto launch = [&](auto vec_tag, auto tanh_tag) {
-      constexpr int VEC = decltype(vec_tag)::value;
-      constexpr bool TANH = decltype(tanh_tag)::value;
-      bias_gelu_fwd_kernel<T, VEC, TANH><<<flat_blocks(rows * (cols / VEC)), kFlatThreads, 0, stream>>>(
-          x.data_ptr<T>(), bp, y.data_ptr<T>(), rows, cols);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
     const bool vec = use_vec<T>(cols, {x.data_ptr(), bp, y.data_ptr()});
-    using V = std::integral_constant<int, vec16<T>()>;
-    using S = std::integral_constant<int, 1>;
-    using Tt = std::true_type;
-    using Tf = std::false_type;
-    if (vec && approximate_tanh) launch(V{}, Tt{});
-    else if (vec) launch(V{}, Tf{});
-    else if (approximate_tanh) launch(S{}, Tt{});
-    else launch(S{}, Tf{});
+    dispatch_vec<T>(vec, approximate_tanh, [&](auto vec_tag, auto tanh_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      launch_kernel(bias_gelu_fwd_kernel<T, VEC, decltype(tanh_tag)::value>, flat_blocks(rows * (cols / VEC)),
+                    kFlatThreads, 0, x.data_ptr<T>(), bp, y.data_ptr<T>(), rows, cols);
+    });
   });
   return y;
 }
@@ -149,39 +136,21 @@ std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy, const at::Tensor& x,
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor dx = new_output(x.sizes(), x.options());
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
-  if (x.numel() == 0) {
-    std::vector<at::Tensor> out{dx};
-    if (bias) out.push_back(at::zeros_like(*bias));
-    return out;
-  }
-  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (x.numel() == 0) return dx_and_dbias(dx, bias.has_value(), at::Tensor(), cols);
   at::Tensor part;
   P3D_DISPATCH_FLOATING(x.scalar_type(), "bias_gelu backward", [&] {
     using T = scalar_t;
     const T* bp = bias ? bias->data_ptr<T>() : nullptr;
-    auto launch = [&](auto vec_tag, auto tanh_tag) {
-      constexpr int VEC = decltype(vec_tag)::value;
-      constexpr bool TANH = decltype(tanh_tag)::value;
-      const RowColGrid g = row_col_grid(rows, cols / VEC);
-      if (bias) part = new_output({static_cast<int64_t>(g.grid.y), cols}, x.options().dtype(at::kFloat));
-      bias_gelu_bwd_kernel<T, VEC, TANH><<<g.grid, g.block, 0, stream>>>(
-          dy.data_ptr<T>(), x.data_ptr<T>(), bp, dx.data_ptr<T>(),
-          bias ? part.data_ptr<float>() : nullptr, rows, cols);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
     const bool vec = use_vec<T>(cols, {dy.data_ptr(), x.data_ptr(), bp, dx.data_ptr()});
-    using V = std::integral_constant<int, vec16<T>()>;
-    using S = std::integral_constant<int, 1>;
-    using Tt = std::true_type;
-    using Tf = std::false_type;
-    if (vec && approximate_tanh) launch(V{}, Tt{});
-    else if (vec) launch(V{}, Tf{});
-    else if (approximate_tanh) launch(S{}, Tt{});
-    else launch(S{}, Tf{});
+    dispatch_vec<T>(vec, approximate_tanh, [&](auto vec_tag, auto tanh_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      const RowColGrid g = row_col_grid(rows, cols / VEC);
+      launch_kernel(bias_gelu_bwd_kernel<T, VEC, decltype(tanh_tag)::value>, g.grid, g.block, 0,
+                    dy.data_ptr<T>(), x.data_ptr<T>(), bp, dx.data_ptr<T>(),
+                    new_partials(part, bias.has_value(), g, cols, x), rows, cols);
+    });
   });
-  std::vector<at::Tensor> out{dx};
-  if (bias) out.push_back(sum_partials(part, x.scalar_type()));
-  return out;
+  return dx_and_dbias(dx, bias.has_value(), part, cols);
 }
 
 }  // namespace p3d

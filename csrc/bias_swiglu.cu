@@ -20,24 +20,10 @@ namespace {
 __device__ __forceinline__ float sigmoid(float a) { return 1.f / (1.f + __expf(-a)); }
 
 template <typename T, int VEC>
-__device__ __forceinline__ void load_bias(const T* bias, int64_t off, float (&b)[VEC]) {
-  if (bias != nullptr) {
-    const Pack<T, VEC> p = load_pack<T, VEC>(bias + off);
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) b[v] = static_cast<float>(p.v[v]);
-  } else {
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) b[v] = 0.f;
-  }
-}
-
-template <typename T, int VEC>
 __global__ void bias_swiglu_fwd_kernel(const T* __restrict__ x, const T* __restrict__ bias,
                                        T* __restrict__ y, int64_t rows, int64_t f) {
-  const int64_t fp = f / VEC, total = rows * fp;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-#pragma unroll 4
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += step) {
+  const int64_t fp = f / VEC;
+  P3D_FLAT_LOOP(i, rows * fp) {
     const int64_t r = i / fp, col = (i - r * fp) * VEC;
     float ba[VEC], bg[VEC];
     load_bias<T, VEC>(bias, col, ba);
@@ -121,20 +107,14 @@ at::Tensor bias_swiglu_fwd(const at::Tensor& x, const std::optional<at::Tensor>&
   out_sizes.back() = f;
   at::Tensor y = new_output(out_sizes, x.options());
   if (y.numel() == 0) return y;
-  auto stream = c10::cuda::getCurrentCUDAStream();
   P3D_DISPATCH_FLOATING(x.scalar_type(), "bias_swiglu", [&] {
     using T = scalar_t;
     const T* bp = bias ? bias->data_ptr<T>() : nullptr;
-    auto launch = [&](auto vec_tag) {
+    dispatch_vec<T>(use_vec<T>(f, {x.data_ptr(), bp, y.data_ptr()}), [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
-      bias_swiglu_fwd_kernel<T, VEC><<<flat_blocks(rows * (f / VEC)), kFlatThreads, 0, stream>>>(
-          x.data_ptr<T>(), bp, y.data_ptr<T>(), rows, f);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (use_vec<T>(f, {x.data_ptr(), bp, y.data_ptr()}))
-      launch(std::integral_constant<int, vec16<T>()>{});
-    else
-      launch(std::integral_constant<int, 1>{});
+      launch_kernel(bias_swiglu_fwd_kernel<T, VEC>, flat_blocks(rows * (f / VEC)), kFlatThreads, 0,
+                    x.data_ptr<T>(), bp, y.data_ptr<T>(), rows, f);
+    });
   });
   return y;
 }
@@ -149,33 +129,19 @@ std::vector<at::Tensor> bias_swiglu_bwd(const at::Tensor& dy, const at::Tensor& 
               "], got ", dy.sizes());
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor dx = new_output(x.sizes(), x.options());
-  if (x.numel() == 0) {
-    std::vector<at::Tensor> out{dx};
-    if (bias) out.push_back(at::zeros_like(*bias));
-    return out;
-  }
-  auto stream = c10::cuda::getCurrentCUDAStream();
+  if (x.numel() == 0) return dx_and_dbias(dx, bias.has_value(), at::Tensor(), 2 * f);
   at::Tensor part;
   P3D_DISPATCH_FLOATING(x.scalar_type(), "bias_swiglu backward", [&] {
     using T = scalar_t;
     const T* bp = bias ? bias->data_ptr<T>() : nullptr;
-    auto launch = [&](auto vec_tag) {
+    dispatch_vec<T>(use_vec<T>(f, {dy.data_ptr(), x.data_ptr(), bp, dx.data_ptr()}), [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       const RowColGrid g = row_col_grid(rows, f / VEC);
-      if (bias) part = new_output({static_cast<int64_t>(g.grid.y), 2 * f}, x.options().dtype(at::kFloat));
-      bias_swiglu_bwd_kernel<T, VEC><<<g.grid, g.block, 0, stream>>>(
-          dy.data_ptr<T>(), x.data_ptr<T>(), bp, dx.data_ptr<T>(),
-          bias ? part.data_ptr<float>() : nullptr, rows, f);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (use_vec<T>(f, {dy.data_ptr(), x.data_ptr(), bp, dx.data_ptr()}))
-      launch(std::integral_constant<int, vec16<T>()>{});
-    else
-      launch(std::integral_constant<int, 1>{});
+      launch_kernel(bias_swiglu_bwd_kernel<T, VEC>, g.grid, g.block, 0, dy.data_ptr<T>(), x.data_ptr<T>(), bp,
+                    dx.data_ptr<T>(), new_partials(part, bias.has_value(), g, 2 * f, x), rows, f);
+    });
   });
-  std::vector<at::Tensor> out{dx};
-  if (bias) out.push_back(sum_partials(part, x.scalar_type()));
-  return out;
+  return dx_and_dbias(dx, bias.has_value(), part, 2 * f);
 }
 
 }  // namespace p3d

@@ -122,6 +122,40 @@ inline bool use_vec(int64_t n, std::initializer_list<const void*> ptrs) {
   return true;
 }
 
+// Calls launch(std::integral_constant<int, VEC>{}): VEC = vec16<T>() (16-byte
+// packs) when `vec`, else 1.  With a run-time `flag` as well, it becomes a
+// compile-time one too: launch(vec_tag, std::true_type{} or std::false_type{}).
+template <typename T, typename F>
+inline void dispatch_vec(bool vec, F&& launch) {
+  if (vec)
+    launch(std::integral_constant<int, vec16<T>()>{});
+  else
+    launch(std::integral_constant<int, 1>{});
+}
+
+template <typename T, typename F>
+inline void dispatch_vec(bool vec, bool flag, F&& launch) {
+  dispatch_vec<T>(vec, [&](auto vec_tag) {
+    if (flag)
+      launch(vec_tag, std::true_type{});
+    else
+      launch(vec_tag, std::false_type{});
+  });
+}
+
+// A row's bias (nullptr: none, zeros) from element `off` on, as floats.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_bias(const T* bias, int64_t off, float (&b)[VEC]) {
+  if (bias != nullptr) {
+    const Pack<T, VEC> p = load_pack<T, VEC>(bias + off);
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) b[v] = static_cast<float>(p.v[v]);
+  } else {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) b[v] = 0.f;
+  }
+}
+
 // ---- reductions (blockDim.x must be a multiple of 32, at most 1024) ----
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -141,27 +175,23 @@ __device__ __forceinline__ float warp_max(float v) {
 // >= 32 floats, >= 64 for block_sum2), and every thread of the block must call
 // (the barriers are block-wide).  A group of one warp needs no barrier.  The
 // leading barrier lets callers reuse `red` for consecutive reductions.
-__device__ __forceinline__ float block_sum(float v, float* red) {
+// block_sum (MAX false) and block_max (MAX true): one warp reduction, the
+// warps' results through `red`, then one more warp reduction.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
-  v = warp_sum(v);
+  v = MAX ? warp_max(v) : warp_sum(v);
   if (nwarps == 1) return v;
   __syncthreads();
   if (lane == 0) red[wid] = v;
   __syncthreads();
-  return warp_sum(lane < nwarps ? red[lane] : 0.f);
+  const float w = lane < nwarps ? red[lane] : (MAX ? -INFINITY : 0.f);
+  return MAX ? warp_max(w) : warp_sum(w);
 }
 
-__device__ __forceinline__ float block_max(float v, float* red) {
-  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-  const int nwarps = blockDim.x >> 5;
-  v = warp_max(v);
-  if (nwarps == 1) return v;
-  __syncthreads();
-  if (lane == 0) red[wid] = v;
-  __syncthreads();
-  return warp_max(lane < nwarps ? red[lane] : -INFINITY);
-}
+__device__ __forceinline__ float block_sum(float v, float* red) { return block_reduce<false>(v, red); }
+__device__ __forceinline__ float block_max(float v, float* red) { return block_reduce<true>(v, red); }
 
 // Two sums at once (one pair of barriers instead of two).
 __device__ __forceinline__ float2 block_sum2(float a, float b, float* red) {
@@ -198,6 +228,15 @@ inline void allow_dynamic_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024)
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(bytes)));
+}
+
+// kernel<<<grid, block, smem>>>(args...) on the current stream, then the launch
+// check; a kernel given more than 48 KB of dynamic shared memory opts in first.
+template <typename Kernel, typename... Args>
+inline void launch_kernel(Kernel kernel, dim3 grid, dim3 block, size_t smem, Args... args) {
+  allow_dynamic_smem(kernel, smem);
+  kernel<<<grid, block, smem, c10::cuda::getCurrentCUDAStream()>>>(args...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 inline int sm_count() {
@@ -342,6 +381,14 @@ inline unsigned flat_blocks(int64_t packs) {
   return static_cast<unsigned>(want < cap ? (want < 1 ? 1 : want) : cap);
 }
 
+// The flat kernels' loop over pack indices i in [0, total), the grid's threads
+// striding over them.  A macro: written as a function taking the body as a
+// lambda, the loop lost its 4-way unrolling (fp32 bias_gelu's PTX changed).
+#define P3D_FLAT_LOOP(i, total)                                                            \
+  _Pragma("unroll 4") for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, \
+                           i##_end = (total), i##_step = static_cast<int64_t>(gridDim.x) * blockDim.x; \
+                           i < i##_end; i += i##_step)
+
 // Stage 2 of the column reductions: out[c] = sum_p partials[p, c] (fp32
 // accumulation), cast to `dtype`.  Defined in reduce_partials.cu.
 at::Tensor sum_partials(const at::Tensor& partials, at::ScalarType dtype);
@@ -366,6 +413,27 @@ __device__ __forceinline__ void write_block_partial(const float (&acc)[VEC], flo
     const int64_t c = col0 + static_cast<int64_t>(lane) * VEC + v;
     if (c < ncols) part_row[c] = s;
   }
+}
+
+// Stage-1 partial rows of a bias gradient for a row_col_grid launch: with a
+// bias, `part` becomes a [grid.y, ncols] fp32 tensor on x's device and its data
+// is returned for the kernel; without one, nullptr.
+inline float* new_partials(at::Tensor& part, bool has_bias, const RowColGrid& g, int64_t ncols,
+                           const at::Tensor& x) {
+  if (!has_bias) return nullptr;
+  part = new_output({static_cast<int64_t>(g.grid.y), ncols}, x.options().dtype(at::kFloat));
+  return part.data_ptr<float>();
+}
+
+// What the row/column backward ops return: {dx} and, with a bias, its gradient:
+// stage 2 over `part`, or zeros of bias_size where nothing was launched (`part`
+// undefined: dx is empty).
+inline std::vector<at::Tensor> dx_and_dbias(const at::Tensor& dx, bool has_bias, const at::Tensor& part,
+                                            int64_t bias_size) {
+  std::vector<at::Tensor> out{dx};
+  if (has_bias)
+    out.push_back(part.defined() ? sum_partials(part, dx.scalar_type()) : at::zeros({bias_size}, dx.options()));
+  return out;
 }
 
 }  // namespace p3d

@@ -267,10 +267,7 @@ std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const at::Tensor& w,
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       };
-      if (use_vec<T>(h, {x.data_ptr(), w.data_ptr(), bp, y.data_ptr()}))
-        launch(std::integral_constant<int, vec16<T>()>{});
-      else
-        launch(std::integral_constant<int, 1>{});
+      dispatch_vec<T>(use_vec<T>(h, {x.data_ptr(), w.data_ptr(), bp, y.data_ptr()}), launch);
     });
   }
   if (RMS) return {y, rstd};
@@ -328,10 +325,7 @@ std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, cons
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     };
-    if (use_vec<T>(h, {dy.data_ptr(), x.data_ptr(), w.data_ptr(), dx.data_ptr()}))
-      launch(std::integral_constant<int, vec16<T>()>{});
-    else
-      launch(std::integral_constant<int, 1>{});
+    dispatch_vec<T>(use_vec<T>(h, {dy.data_ptr(), x.data_ptr(), w.data_ptr(), dx.data_ptr()}), launch);
   });
   // One stage-2 pass for dw and db together; they come back as two halves of one tensor.
   at::Tensor sums = sum_partials(part, w.scalar_type());

@@ -174,10 +174,7 @@ void rope_apply(const std::vector<at::Tensor>& ts, const at::Tensor& cos, const 
                                                          sh, backward);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    if (vec)
-      launch(std::integral_constant<int, V>{});
-    else
-      launch(std::integral_constant<int, 1>{});
+    dispatch_vec<T>(vec, launch);
   });
 }
 

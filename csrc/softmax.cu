@@ -23,6 +23,16 @@ namespace {
 
 constexpr int64_t kMaxSk = 16384;
 
+// Both kernels' row loop: blocks stride over the rows; row r (row r % sq of its
+// batch) keeps columns [0, len), which its first nvalid packs hold.
+template <int VEC, typename Body>
+__device__ __forceinline__ void for_each_causal_row(int64_t rows, int64_t sq, Body&& body) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t len = r % sq + 1;
+    body(r, len, (len + VEC - 1) / VEC);
+  }
+}
+
 template <typename T, int VEC>
 __global__ void causal_softmax_fwd_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows,
                                           int64_t sq, int64_t sk, float scale) {
@@ -32,9 +42,7 @@ __global__ void causal_softmax_fwd_kernel(const T* __restrict__ x, T* __restrict
   __shared__ float red[32];
   const int tid = threadIdx.x, nt = blockDim.x;
   const int64_t nvec = sk / VEC;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t len = r % sq + 1;                // unmasked columns [0, len)
-    const int64_t nvalid = (len + VEC - 1) / VEC;  // packs holding unmasked columns
+  for_each_causal_row<VEC>(rows, sq, [&](int64_t r, int64_t len, int64_t nvalid) {
     const T* xr = x + r * sk;
     float m = -INFINITY;
 #pragma unroll 4
@@ -67,7 +75,7 @@ __global__ void causal_softmax_fwd_kernel(const T* __restrict__ x, T* __restrict
       for (int v = 0; v < VEC; ++v) o.v[v] = static_cast<T>(i < nvalid ? cache[v * nvec + i] * inv : 0.f);
       store_pack<T, VEC>(yr + i * VEC, o);
     }
-  }
+  });
 }
 
 template <typename T, int VEC>
@@ -81,9 +89,7 @@ __global__ void causal_softmax_bwd_kernel(const T* __restrict__ dy, const T* __r
   __shared__ float red[32];
   const int tid = threadIdx.x, nt = blockDim.x;
   const int64_t nvec = sk / VEC;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t len = r % sq + 1;                // unmasked columns [0, len)
-    const int64_t nvalid = (len + VEC - 1) / VEC;  // packs holding unmasked columns
+  for_each_causal_row<VEC>(rows, sq, [&](int64_t r, int64_t len, int64_t nvalid) {
     const T* yr = y + r * sk;
     const T* gr = dy + r * sk;
     float dot = 0.f;
@@ -115,73 +121,67 @@ __global__ void causal_softmax_bwd_kernel(const T* __restrict__ dy, const T* __r
       }
       store_pack<T, VEC>(dxr + i * VEC, o);
     }
-  }
+  });
 }
 
-void check_x(const at::Tensor& x, const char* name) {
+struct Shape {
+  int64_t sq, sk, rows;
+};
+
+// Checks the [attn_batches, sq, sk] tensor both passes take, and returns its shape.
+Shape check_x(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() == 3, name,
               ": expected a contiguous 3-D [attn_batches, sq, sk] CUDA tensor, got ", x.sizes());
   TORCH_CHECK(x.size(1) == x.size(2), name, ": the causal mask needs sq == sk, got sq = ", x.size(1),
               ", sk = ", x.size(2));
   TORCH_CHECK(x.size(2) <= kMaxSk, name, ": sk must be at most ", kMaxSk, ", got ", x.size(2));
+  return {x.size(1), x.size(2), x.size(0) * x.size(1)};
 }
 
-int64_t grid_rows(int64_t rows) { return rows < (int64_t{1} << 30) ? rows : (int64_t{1} << 30); }
+// Both passes: one block per row (at most 2^30, the rest grid-striding),
+// row_threads() threads of about 4 packs each, `smem` bytes of row cache.
+template <typename Kernel, typename... Args>
+void launch_rows(Kernel kernel, int64_t rows, int64_t nvec, size_t smem, Args... args) {
+  const int64_t grid = rows < (int64_t{1} << 30) ? rows : (int64_t{1} << 30);
+  launch_kernel(kernel, static_cast<unsigned>(grid), row_threads(nvec, 4), smem, args...);
+}
 
 }  // namespace
 
 at::Tensor scaled_upper_triang_masked_softmax_fwd(const at::Tensor& x, double scale) {
-  check_x(x, "scaled_upper_triang_masked_softmax");
+  const Shape sh = check_x(x, "scaled_upper_triang_masked_softmax");
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = new_output(x.sizes(), x.options());
   if (x.numel() == 0) return y;
-  const int64_t sq = x.size(1), sk = x.size(2), rows = x.size(0) * sq;
-  auto stream = c10::cuda::getCurrentCUDAStream();
   P3D_DISPATCH_FLOATING(x.scalar_type(), "scaled_upper_triang_masked_softmax", [&] {
     using T = scalar_t;
-    auto launch = [&](auto vec_tag) {
+    dispatch_vec<T>(use_vec<T>(sh.sk, {x.data_ptr(), y.data_ptr()}), [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
-      auto kernel = causal_softmax_fwd_kernel<T, VEC>;
-      const size_t smem = static_cast<size_t>(sk) * sizeof(float);
-      allow_dynamic_smem(kernel, smem);
-      kernel<<<static_cast<unsigned>(grid_rows(rows)), row_threads(sk / VEC, 4), smem, stream>>>(
-          x.data_ptr<T>(), y.data_ptr<T>(), rows, sq, sk, static_cast<float>(scale));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (use_vec<T>(sk, {x.data_ptr(), y.data_ptr()}))
-      launch(std::integral_constant<int, vec16<T>()>{});
-    else
-      launch(std::integral_constant<int, 1>{});
+      const size_t smem = static_cast<size_t>(sh.sk) * sizeof(float);
+      launch_rows(causal_softmax_fwd_kernel<T, VEC>, sh.rows, sh.sk / VEC, smem, x.data_ptr<T>(), y.data_ptr<T>(),
+                  sh.rows, sh.sq, sh.sk, static_cast<float>(scale));
+    });
   });
   return y;
 }
 
 at::Tensor scaled_upper_triang_masked_softmax_bwd(const at::Tensor& dy, const at::Tensor& y,
                                                   double scale) {
-  check_x(y, "scaled_upper_triang_masked_softmax backward");
+  const Shape sh = check_x(y, "scaled_upper_triang_masked_softmax backward");
   TORCH_CHECK(dy.is_contiguous() && dy.sizes() == y.sizes() && dy.scalar_type() == y.scalar_type(),
               "scaled_upper_triang_masked_softmax backward: grad must be contiguous with y's shape "
               "and dtype");
   c10::cuda::CUDAGuard guard(y.device());
   at::Tensor dx = new_output(y.sizes(), y.options());
   if (y.numel() == 0) return dx;
-  const int64_t sq = y.size(1), sk = y.size(2), rows = y.size(0) * sq;
-  auto stream = c10::cuda::getCurrentCUDAStream();
   P3D_DISPATCH_FLOATING(y.scalar_type(), "scaled_upper_triang_masked_softmax backward", [&] {
     using T = scalar_t;
-    auto launch = [&](auto vec_tag) {
+    dispatch_vec<T>(use_vec<T>(sh.sk, {dy.data_ptr(), y.data_ptr(), dx.data_ptr()}), [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
-      auto kernel = causal_softmax_bwd_kernel<T, VEC>;
-      const size_t smem = 2 * static_cast<size_t>(sk) * sizeof(T);
-      allow_dynamic_smem(kernel, smem);
-      kernel<<<static_cast<unsigned>(grid_rows(rows)), row_threads(sk / VEC, 4), smem, stream>>>(
-          dy.data_ptr<T>(), y.data_ptr<T>(), dx.data_ptr<T>(), rows, sq, sk, static_cast<float>(scale));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (use_vec<T>(sk, {dy.data_ptr(), y.data_ptr(), dx.data_ptr()}))
-      launch(std::integral_constant<int, vec16<T>()>{});
-    else
-      launch(std::integral_constant<int, 1>{});
+      const size_t smem = 2 * static_cast<size_t>(sh.sk) * sizeof(T);
+      launch_rows(causal_softmax_bwd_kernel<T, VEC>, sh.rows, sh.sk / VEC, smem, dy.data_ptr<T>(),
+                  y.data_ptr<T>(), dx.data_ptr<T>(), sh.rows, sh.sq, sh.sk, static_cast<float>(scale));
+    });
   });
   return dx;
 }
