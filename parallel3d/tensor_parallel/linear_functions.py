@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,12 +56,19 @@ def _2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.size(-1))
 
 
+def _start_gather(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, Any]:
+    """(the buffer, the handle) of an asynchronous all-gather of ``x`` along dim 0."""
+    _, size = group_rank_and_size(group)
+    total = torch.empty((size * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    return total, all_gather_into_tensor(total, x.contiguous(), group=group, async_op=True)
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """out = x W^T (+ b), with TP communication fused into forward/backward.
 
     - ``sequence_parallel``: x is a sequence shard; all-gather it in forward
-      (and again in backward, rather than keeping the gathered copy alive) and
-      reduce-scatter the input gradient.
+      (and again in backward, rather than keeping the gathered copy alive, beside the
+      input-gradient GEMM as Megatron does) and reduce-scatter the input gradient.
     - ``allreduce_dgrad``: the input is replicated across TP; all-reduce its gradient.
       The collective is started before the weight-gradient GEMM so they overlap.
     - ``gradient_accumulation_fusion``: with ``weight.main_grad`` present (the DDP
@@ -86,11 +93,15 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         group = ctx.group
-        total_x = gather_along_first_dim(x, group) if ctx.sequence_parallel else x
+        _, size = group_rank_and_size(group)
+        total_x, handle = x, None
+        if ctx.sequence_parallel and size > 1:  # the input's gather (for wgrad) runs beside the dgrad GEMM
+            total_x, handle = _start_gather(x, group)
         grad_input = grad_output.matmul(weight)
+        if handle is not None:
+            handle.wait()
 
         handle = None
-        _, size = group_rank_and_size(group)
         if size == 1:
             pass  # one TP rank: the input gradient is already complete
         elif ctx.sequence_parallel:
@@ -186,9 +197,7 @@ class AllGatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        _, size = group_rank_and_size(ctx.group)
-        total_x = torch.empty((size * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        handle = all_gather_into_tensor(total_x, x.contiguous(), group=ctx.group, async_op=True)
+        total_x, handle = _start_gather(x, ctx.group)
         grad_input = matmul_reduce_scatter(grad_output, weight, ctx.group)
         handle.wait()
         grad_output_2d = _2d(grad_output)
