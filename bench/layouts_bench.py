@@ -32,23 +32,19 @@ TP2_DP2 = GPT + ["--global-batch-size", "32", "--tp", "2", "--sequence-parallel"
                  "--overlap-grad-reduce"]
 SEVEN_B = ["--preset", "mlm-7.1b", "--num-layers", "16", "--global-batch-size", "16", "--tp", "4", "--sequence-parallel"]
 PROFILE = ["--profile-overlap"]  # one more step, profiled after the timed ones: where the GPU time goes
-OVERLAP = PROFILE + ["--tp-comm-overlap"]  # Megatron-Core's needs Transformer Engine: its runs are without
 # name: (GPUs, flags both runners take, flags only parallel3d takes, run Megatron-Core too)
 RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     "1gpu": (1, GPT + ["--global-batch-size", "16"], [], True),
     "tp2-sp": (2, TP2, PROFILE, True),
-    "tp2-sp-overlap": (2, TP2, OVERLAP, False),
     "tp2-pp2-v2-sp": (4, GPT + ["--global-batch-size", "32", "--tp", "2", "--pp", "2", "--vpp", "2",
                                 "--sequence-parallel"], [], True),
     "pp2-dp2": (4, GPT + ["--global-batch-size", "32", "--pp", "2", "--use-distributed-optimizer",
                           "--overlap-grad-reduce"], [], True),
     "tp2-dp2": (4, TP2_DP2, PROFILE, True),
-    "tp2-dp2-overlap": (4, TP2_DP2, OVERLAP, False),
     "pp4-1f1b": (4, PP4, ["--schedule-timing"], True),
     "pp4-interleaved": (4, PP4 + ["--vpp", "2"], ["--schedule-timing"], True),
     **{f"pp4-{z}": (4, PP4, ["--pipeline-schedule", z, "--schedule-timing"], False) for z in ZB},
     "7b-tp4": (4, SEVEN_B, [], True),
-    "7b-tp4-overlap": (4, SEVEN_B, OVERLAP, False),
 }
 
 

@@ -1,8 +1,7 @@
 """Where a profiled step's GPU time goes: GEMM, attention, other compute, communication exposed, idle.
 
 From the profiler's kernel list (``torch.profiler`` with CUDA activity) of one rank:
-- each kernel falls in one class by its name: ``comm`` (NCCL kernels and the peer-to-peer copies of
-  symmetric-memory TP overlap), ``gemm``, ``attention``, or ``other`` (elementwise, norms, loss, optimizer);
+- each kernel falls in one class by its name: ``comm`` (NCCL kernels and copies between GPUs), ``gemm``, ``attention``, or ``other`` (elementwise, norms, loss, optimizer);
 - ``*_ms`` are the summed kernel times of a class (kernels on several streams can run at once, so the sum
   can exceed the span);
 - ``comm_exposed_ms``: communication time during which no compute kernel ran (what overlap should hide);
@@ -19,7 +18,7 @@ ATTENTION = ("flash", "fmha", "sdpa", "attention")
 
 def kernel_class(name: str) -> str:
     n = name.lower()
-    if "nccl" in n or "memcpy ptop" in n:  # PtoP: a copy between GPUs (symmetric memory)
+    if "nccl" in n or "memcpy ptop" in n:  # PtoP: a copy between GPUs
         return "comm"
     if any(k in n for k in ATTENTION):
         return "attention"

@@ -86,9 +86,6 @@ class TransformerConfig:
     tensor_model_parallel_size: int = 1
     # With TP=1 sequence parallelism means nothing: like Megatron, it is switched off with a warning.
     sequence_parallel: bool = False
-    # Pipeline the sequence-parallel all-gathers / reduce-scatters against the linear GEMMs (Megatron's
-    # name; needs sequence_parallel).
-    tp_comm_overlap: bool = False
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     # Uneven pipeline split (Megatron's): the first/last stage hold this many layers and the
@@ -223,9 +220,6 @@ class TransformerConfig:
             warnings.warn("sequence_parallel=True has no effect with tensor_model_parallel_size=1: turned off "
                           "(as Megatron does)", stacklevel=3)
             self.sequence_parallel = False
-        if self.tp_comm_overlap and not self.sequence_parallel:
-            raise ValueError("tp_comm_overlap=True needs sequence_parallel=True with tensor_model_parallel_size > 1: "
-                             "it pipelines the sequence-parallel communication against the GEMMs")
         if self.sequence_parallel and self.seq_length % tp != 0:
             raise ValueError(
                 f"sequence_parallel needs seq_length ({self.seq_length}) divisible by "
@@ -310,7 +304,7 @@ class TransformerConfig:
 
     def linear_kwargs(self, tp_group: Optional[Any]) -> dict[str, Any]:
         """The keywords every parallel linear of the model takes from this config."""
-        return dict(sequence_parallel=self.sequence_parallel, tp_comm_overlap=self.tp_comm_overlap,
+        return dict(sequence_parallel=self.sequence_parallel,
                     gradient_accumulation_fusion=self.gradient_accumulation_fusion,
                     params_dtype=self.params_dtype, tp_group=tp_group)
 

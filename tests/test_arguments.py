@@ -106,8 +106,6 @@ BAD = [
     (["--tensor-model-parallel-size", "3"], 4, r"world size \(4\) is not divisible"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"], 1, r"--global-batch-size \(10\) is not divisible"),
     (["--bf16", "--fp16"], 1, r"--bf16 and --fp16 are exclusive"),
-    (["--tp-comm-overlap", "--tensor-model-parallel-size", "2"], 2, r"--tp-comm-overlap .* add --sequence-parallel"),
-    (["--tp-comm-overlap", "--sequence-parallel"], 1, r"--tp-comm-overlap .* --tensor-model-parallel-size > 1"),
     # --pipeline-schedule (ours: Megatron has no zero-bubble schedule and no such flag)
     (["--pipeline-schedule", "zb-h1"], 1, r"--pipeline-schedule zb-h1 does not fit --pipeline-model-parallel-size 1"),
     (["--pipeline-schedule", "zb-v", "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",

@@ -46,7 +46,7 @@ def _parallel_from_seed(cls, seed, *args, **kw):
     return cls(*args, **kw)
 
 
-def _column_row_cases(rank, tp_size, sp, overlap=False):
+def _column_row_cases(rank, tp_size, sp):
     s, b, h, out_f = 8, 2, 12, 16
     r = ps.get_tensor_model_parallel_rank()
     torch.manual_seed(100)
@@ -58,7 +58,7 @@ def _column_row_cases(rank, tp_size, sp, overlap=False):
         for skip_bias_add in (False, True):
             dense = _dense_linear(h, out_f, 1)
             layer = _parallel_from_seed(tp.ColumnParallelLinear, 1, h, out_f, gather_output=gather_output,
-                                        skip_bias_add=skip_bias_add, sequence_parallel=sp, tp_comm_overlap=overlap,
+                                        skip_bias_add=skip_bias_add, sequence_parallel=sp,
                                         init_method=tp.init_method_normal(0.02))
             _close(layer.weight, _shard(dense.weight, 0, r, tp_size), "column init slice")
             with torch.no_grad():
@@ -85,7 +85,7 @@ def _column_row_cases(rank, tp_size, sp, overlap=False):
         for skip_bias_add in (False, True):
             dense = _dense_linear(out_f, h, 2)
             layer = _parallel_from_seed(tp.RowParallelLinear, 2, out_f, h, input_is_parallel=input_is_parallel,
-                                        skip_bias_add=skip_bias_add, sequence_parallel=sp, tp_comm_overlap=overlap,
+                                        skip_bias_add=skip_bias_add, sequence_parallel=sp,
                                         init_method=tp.init_method_normal(0.02))
             _close(layer.weight, _shard(dense.weight, 1, r, tp_size), "row init slice")
             with torch.no_grad():
@@ -296,14 +296,12 @@ def _dropout_recompute_case(rank, tp_size):
 def _sweep(rank, world_size):
     done = []
     for tp_size in (1, 2, 4):
-        # SP off, SP, and SP with tp_comm_overlap's pipelined functions ("overlap")
-        for sp in ((False, True, "overlap") if tp_size > 1 else (False,)):
+        for sp in ((False, True) if tp_size > 1 else (False,)):
             ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
             try:
-                _column_row_cases(rank, tp_size, bool(sp), overlap=sp == "overlap")
-                if sp != "overlap":  # the overlap changes the linears only: the rest ran with SP
-                    _embedding_and_loss_cases(rank, tp_size, sp)
-                    _block_cases(rank, tp_size, sp)
+                _column_row_cases(rank, tp_size, sp)
+                _embedding_and_loss_cases(rank, tp_size, sp)
+                _block_cases(rank, tp_size, sp)
                 if not sp:
                     _dropout_recompute_case(rank, tp_size)
             except AssertionError as e:
@@ -316,8 +314,7 @@ def _sweep(rank, world_size):
 
 def test_tensor_parallel_layers_match_dense():
     results = run_distributed(_sweep, 4, timeout=240)
-    assert all(r == [(1, False), (2, False), (2, True), (2, "overlap"), (4, False), (4, True), (4, "overlap")]
-               for r in results)
+    assert all(r == [(1, False), (2, False), (2, True), (4, False), (4, True)] for r in results)
 
 
 # ---------------------------------------------------------------- single process
@@ -350,8 +347,6 @@ def test_layers_take_sequence_parallel_as_given_and_it_is_an_identity_with_one_t
         outs.append((out.detach(), xi.grad, col.weight.grad, row.weight.grad, row.bias.grad))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="tp_comm_overlap=True needs sequence_parallel=True"):
-        tp.ColumnParallelLinear(4, 4, tp_comm_overlap=True)
     with pytest.raises(ValueError, match="sequence_parallel=True requires input_is_parallel=True"):
         tp.RowParallelLinear(4, 4, sequence_parallel=True, input_is_parallel=False)
 

@@ -23,11 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device import default_device
-from .linear_functions import (
-    AllGatherLinear,
-    LinearReduceScatter,
-    linear_with_grad_accumulation_and_async_allreduce,
-)
+from .linear_functions import linear_with_grad_accumulation_and_async_allreduce
 from .mappings import (
     all_reduce,
     gather_from_tensor_model_parallel_region,
@@ -87,19 +83,14 @@ class _ParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, partition_dim: int, *, bias: bool = True,
                  init_method: Optional[InitMethod] = None, stride: int = 1, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, tp_comm_overlap: bool = False,
-                 gradient_accumulation_fusion: bool = False, params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                 sequence_parallel: bool = False, gradient_accumulation_fusion: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
                  tp_group: Optional[dist.ProcessGroup] = None, allocate_weight: bool = True) -> None:
         super().__init__()
         self.tp_group = resolve_tp_group(tp_group)
         rank, world = group_rank_and_size(self.tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.sequence_parallel = sequence_parallel
-        if tp_comm_overlap and not sequence_parallel:
-            raise ValueError(f"{type(self).__name__}: tp_comm_overlap=True needs sequence_parallel=True "
-                             "(it pipelines the sequence all-gather / reduce-scatter against the GEMM)")
-        # With one TP rank there is no communication to hide: the plain function is the same GEMM.
-        self.tp_comm_overlap = tp_comm_overlap and world > 1
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.skip_bias_add = skip_bias_add
         self.device = device or default_device()
@@ -140,9 +131,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, input_size: int, output_size: int, *, gather_output: bool = False,
                  skip_weight_param_allocation: bool = False, **common: Any) -> None:
         """``common``: the keywords both linear layers take (:class:`_ParallelLinear`: bias, init_method,
-        stride, skip_bias_add, sequence_parallel, tp_comm_overlap, gradient_accumulation_fusion, params_dtype,
-        device, tp_group). ``tp_comm_overlap`` pipelines the sequence-parallel communication against the GEMM
-        (``linear_functions.AllGatherLinear`` / ``LinearReduceScatter``)."""
+        stride, skip_bias_add, sequence_parallel, gradient_accumulation_fusion, params_dtype, device, tp_group)."""
         if gather_output and common.get("sequence_parallel", False):
             raise ValueError("ColumnParallelLinear: gather_output=True is incompatible with sequence_parallel=True")
         super().__init__(input_size, output_size, 0, allocate_weight=not skip_weight_param_allocation, **common)
@@ -162,13 +151,10 @@ class ColumnParallelLinear(_ParallelLinear):
                     f"{(self.output_size_per_partition, self.input_size)}"
                 )
         bias = self.bias if not self.skip_bias_add else None
-        if self.tp_comm_overlap:
-            out = AllGatherLinear.apply(x, weight, bias, self.gradient_accumulation_fusion, self.tp_group)
-        else:
-            out = linear_with_grad_accumulation_and_async_allreduce(
-                x, weight, bias, self.gradient_accumulation_fusion, self.allreduce_dgrad,
-                self.sequence_parallel, self.tp_group,
-            )
+        out = linear_with_grad_accumulation_and_async_allreduce(
+            x, weight, bias, self.gradient_accumulation_fusion, self.allreduce_dgrad,
+            self.sequence_parallel, self.tp_group,
+        )
         out_bias = self.bias if self.skip_bias_add else None
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)
@@ -194,16 +180,13 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor):
         x_parallel = x if self.input_is_parallel else scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        if self.tp_comm_overlap:
-            out = LinearReduceScatter.apply(x_parallel, self.weight, self.gradient_accumulation_fusion, self.tp_group)
+        out = linear_with_grad_accumulation_and_async_allreduce(
+            x_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False, self.tp_group
+        )
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         else:
-            out = linear_with_grad_accumulation_and_async_allreduce(
-                x_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False, self.tp_group
-            )
-            if self.sequence_parallel:
-                out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
-            else:
-                out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
+            out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         if self.skip_bias_add or self.bias is None:
             return out, (self.bias if self.skip_bias_add else None)
         return out + self.bias, None

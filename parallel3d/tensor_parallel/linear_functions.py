@@ -1,30 +1,26 @@
-"""The autograd functions of the tensor-parallel linears: a GEMM with its TP communication.
+"""The autograd function of the tensor-parallel linears (Megatron's): a GEMM with its TP communication,
+which runs beside a GEMM in backward: the sequence-parallel input's all-gather beside the input-gradient
+GEMM, the input gradient's reduce beside the weight-gradient GEMM.
 
-- ``LinearWithGradAccumulationAndAsyncCommunication`` (Megatron's): the collectives run beside a GEMM
-  only in backward, where the input gradient's reduce starts before the weight-gradient GEMM.
-- ``AllGatherLinear`` / ``LinearReduceScatter`` (``tp_comm_overlap``, sequence parallelism only): the
-  sequence all-gather before a column-parallel GEMM and the reduce-scatter after a row-parallel one
-  are cut into one piece per TP rank and pipelined against the GEMM's pieces, in forward and in
-  backward. On CUDA this is torch's symmetric-memory micro-pipelining (``torch.ops.symm_mem``
-  ``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``: peer-to-peer copies between the TP
-  ranks, no NVLink multicast); on other devices the same functions run the collective and the GEMM one
-  after the other, so CPU ranks check the autograd around them.
+The forward's all-gather / reduce-scatter stay exposed. Pipelining them against pieces of the GEMM
+(torch's symmetric-memory ``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``, tried as
+``--tp-comm-overlap``) measured 0.54-0.80x on 4 x H100 (BENCHMARKS.md, "TP communication overlap"),
+so it is not here.
 
-Every weight gradient goes through ``weight_gradient``: deferred to a zero-bubble W, fused into
+The weight gradient goes through ``weight_gradient``: deferred to a zero-bubble W, fused into
 ``main_grad``, or returned to autograd.
 """
 from __future__ import annotations
 
 import functools
-import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
 from . import wgrad_store
-from .mappings import gather_along_first_dim, reduce_scatter_along_first_dim
+from .mappings import gather_along_first_dim
 from .utils import group_rank_and_size, resolve_tp_group
 
 
@@ -54,13 +50,6 @@ def weight_gradient(weight: torch.Tensor, total_x_2d: torch.Tensor, grad_output_
 
 def _2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.size(-1))
-
-
-def _start_gather(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, Any]:
-    """(the buffer, the handle) of an asynchronous all-gather of ``x`` along dim 0."""
-    _, size = group_rank_and_size(group)
-    total = torch.empty((size * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    return total, all_gather_into_tensor(total, x.contiguous(), group=group, async_op=True)
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -96,7 +85,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         _, size = group_rank_and_size(group)
         total_x, handle = x, None
         if ctx.sequence_parallel and size > 1:  # the input's gather (for wgrad) runs beside the dgrad GEMM
-            total_x, handle = _start_gather(x, group)
+            total_x = torch.empty((size * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+            handle = all_gather_into_tensor(total_x, x.contiguous(), group=group, async_op=True)
         grad_input = grad_output.matmul(weight)
         if handle is not None:
             handle.wait()
@@ -139,88 +129,3 @@ def linear_with_grad_accumulation_and_async_allreduce(
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, resolve_tp_group(group)
     )
-
-
-_SYMM_MEM_GROUPS: set[str] = set()
-
-
-def _symm_mem_group(group: dist.ProcessGroup) -> str:
-    """The group's name, with symmetric memory set up for it once (torch before 2.12 needs the call;
-    later versions deprecate it and set up on first use)."""
-    name = group.group_name
-    if name not in _SYMM_MEM_GROUPS:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            symm_mem.enable_symm_mem_for_group(name)
-        _SYMM_MEM_GROUPS.add(name)
-    return name
-
-
-def all_gather_matmul(shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the all-gather of ``shard`` along dim 0, that @ b); on CUDA the gather is pipelined against
-    the GEMM's per-rank pieces."""
-    if shard.is_cuda:
-        # return_A=True also keeps torch off its multicast (multimem) variant, which must not run here.
-        name = _symm_mem_group(group)  # first: importing symmetric memory registers torch.ops.symm_mem
-        total, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(shard.contiguous(), [b], 0, name, return_A=True)
-        return total, out
-    total = gather_along_first_dim(shard, group)
-    return total, torch.matmul(total, b)
-
-
-def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The sum over the group of a @ b, scattered along dim 0; on CUDA each rank's piece is computed
-    and sent while the next is computed."""
-    if a.is_cuda:
-        name = _symm_mem_group(group)
-        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a.contiguous(), b, "sum", 0, name)
-    return reduce_scatter_along_first_dim(torch.matmul(a, b), group)
-
-
-class AllGatherLinear(torch.autograd.Function):
-    """Column-parallel linear of a sequence shard, communication pipelined: out = all_gather(x) W^T (+ b).
-
-    Backward pipelines the input gradient's reduce-scatter against its GEMM, while the input's
-    all-gather (for the weight gradient) runs beside them. Only the shard is kept for backward, as
-    ``LinearWithGradAccumulationAndAsyncCommunication`` keeps it."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, gradient_accumulation_fusion, group):
-        ctx.save_for_backward(x, weight)
-        ctx.use_bias, ctx.fused, ctx.group = bias is not None, gradient_accumulation_fusion, group
-        _, out = all_gather_matmul(x, weight.t(), group)
-        return out if bias is None else out + bias
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
-        total_x, handle = _start_gather(x, ctx.group)
-        grad_input = matmul_reduce_scatter(grad_output, weight, ctx.group)
-        handle.wait()
-        grad_output_2d = _2d(grad_output)
-        grad_weight = weight_gradient(weight, _2d(total_x), grad_output_2d, ctx.fused)
-        grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
-        return grad_input, grad_weight, grad_bias, None, None
-
-
-class LinearReduceScatter(torch.autograd.Function):
-    """Row-parallel linear to a sequence shard, communication pipelined: out = reduce_scatter(x W^T).
-
-    Backward gathers the output gradient pipelined against the input-gradient GEMM, and the weight
-    gradient reuses that gathered gradient."""
-
-    @staticmethod
-    def forward(ctx, x, weight, gradient_accumulation_fusion, group):
-        ctx.save_for_backward(x, weight)
-        ctx.fused, ctx.group = gradient_accumulation_fusion, group
-        return matmul_reduce_scatter(x, weight.t(), group)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
-        total_grad_output, grad_input = all_gather_matmul(grad_output, weight, ctx.group)
-        grad_weight = weight_gradient(weight, _2d(x), _2d(total_grad_output), ctx.fused)
-        return grad_input, grad_weight, None, None

@@ -172,4 +172,3 @@ def gather_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 
 all_reduce = _all_reduce
-reduce_scatter_along_first_dim = _reduce_scatter_first_dim

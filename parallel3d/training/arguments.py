@@ -89,9 +89,6 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline schedule (default: 1f1b, interleaved-1f1b with virtual stages); zb-v and "
                         "dualpipev hold two chunks per rank in a V (virtual size 2 implied)")
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--tp-comm-overlap", action="store_true",
-                   help="pipeline the sequence-parallel all-gathers / reduce-scatters against the linear layers' "
-                        "GEMMs (needs --sequence-parallel; symmetric memory between the TP ranks on CUDA)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="start each gradient bucket's all-reduce while backward runs")
@@ -376,9 +373,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # nothing to split: Megatron also turns it off, with a warning
         _notice("--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off")
-    if args.tp_comm_overlap and not args.sequence_parallel:
-        raise ArgumentError("--tp-comm-overlap hides the sequence-parallel communication: add --sequence-parallel "
-                            "(with --tensor-model-parallel-size > 1), or drop --tp-comm-overlap")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive")
     if args.group_query_attention and args.num_query_groups is None:

@@ -31,7 +31,6 @@ EXIT_LIMIT_S = 30.0
 # name: (TP, PP, V, SP, extra flags); DP = GPUs / (TP x PP)
 LAYOUTS = {
     2: {"tp2-sp": (2, 1, None, True, []),
-        "tp2-sp-overlap": (2, 1, None, True, ["--tp-comm-overlap"]),
         "pp2-1f1b": (1, 2, None, False, []),
         "pp2-v2": (1, 2, 2, False, []),
         "pp2-zbh1": (1, 2, None, False, ["--pipeline-schedule", "zb-h1"]),
@@ -39,8 +38,6 @@ LAYOUTS = {
         "dp2-overlap": (1, 1, None, False, ["--overlap-grad-reduce"]),
         "dp2-zero1": (1, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"])},
     4: {"tp2-pp2-v2-sp": (2, 2, 2, True, []),
-        "tp2-pp2-zbh1-overlap": (2, 2, None, True, ["--tp-comm-overlap", "--pipeline-schedule", "zb-h1",
-                                                    "--overlap-grad-reduce"]),
         "tp2-dp2": (2, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
         "pp2-dp2": (1, 2, None, False, ["--use-distributed-optimizer"]),
         "pp4": (1, 4, None, False, [])},
@@ -184,8 +181,7 @@ TINY_GPT = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads",
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     ["--pipeline-model-parallel-size", "2"],
     ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
-], ids=["tp2-sp", "pp2", "pp2-v2", "tp2-sp-overlap"])
+], ids=["tp2-sp", "pp2", "pp2-v2"])
 def test_training_job_exits_after_its_last_iteration(gpu_out, tmp_path, layout):
     """examples/pretrain_gpt.py under torchrun: done within EXIT_LIMIT_S of its last log line."""
     result = torchrun.run(2, ["examples/pretrain_gpt.py"] + TINY_GPT + layout, timeout=240,
