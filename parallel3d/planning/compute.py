@@ -114,14 +114,15 @@ def layout_dropout(model: ModelSpec) -> bool:
     return model.hidden_dropout > 0
 
 
-def _column_dgrad_exposed(comm: float, wgrad: float) -> float:
-    """Exposed part of a column-parallel linear's input-gradient collective.
+def _exposed(comm: float, gemm: float) -> float:
+    """Exposed part of a collective started (async_op=True) before a GEMM and waited for after it.
 
-    LinearWithGradAccumulationAndAsyncCommunication.backward (tensor_parallel/layers.py) starts the
-    all-reduce (or, under SP, the reduce-scatter) of the input gradient with async_op=True, runs
-    the weight-gradient GEMM, and only then waits: the collective hides behind that GEMM.
+    LinearWithGradAccumulationAndAsyncCommunication.backward (tensor_parallel/linear_functions.py) does
+    this twice in a column-parallel linear: under SP, the input's all-gather (for the weight gradient)
+    runs beside the input-gradient GEMM; then the input gradient's reduce-scatter (all-reduce without
+    SP) runs beside the weight-gradient GEMM.
     """
-    return max(0.0, comm - wgrad)
+    return max(0.0, comm - gemm)
 
 
 def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCost:
@@ -152,21 +153,22 @@ def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCo
 
     tp_group = group_of(cluster, t, 1)
     act = tokens * h * elem
-    wgrad_qkv, wgrad_fc1 = linears[0][2], linears[2][2]  # the GEMMs the column-parallel dgrad hides behind
+    (_, dgrad_qkv, wgrad_qkv), (_, dgrad_fc1, wgrad_fc1) = linears[0], linears[2]  # the column-parallel GEMMs
     if layout.sequence_parallel:
         ag, rs = all_gather_time(cluster, tp_group, act), reduce_scatter_time(cluster, tp_group, act)
         # Forward: all-gather into linear_qkv and linear_fc1, reduce-scatter out of linear_proj and
-        # linear_fc2.  Backward: the reduce-scatters' adjoints are all-gathers of the gradient, the
+        # linear_fc2.  Backward: the reduce-scatters' adjoints are all-gathers of the gradient; the
         # column-parallel linears all-gather their input again for the weight gradient (it is not
-        # kept), and their input-gradient reduce-scatter overlaps the weight-gradient GEMM.
+        # kept) beside their input-gradient GEMM, whose reduce-scatter overlaps the weight-gradient GEMM.
         comm_fwd = 2 * ag + 2 * rs
-        comm_bwd = 4 * ag + _column_dgrad_exposed(rs, wgrad_qkv) + _column_dgrad_exposed(rs, wgrad_fc1)
+        comm_bwd = (2 * ag + _exposed(ag, dgrad_qkv) + _exposed(ag, dgrad_fc1)
+                    + _exposed(rs, wgrad_qkv) + _exposed(rs, wgrad_fc1))
     else:
         ar = all_reduce_time(cluster, tp_group, act)
         # Forward: the row-parallel outputs (linear_proj, linear_fc2) are all-reduced, synchronously.
         # Backward: the column-parallel input gradients are all-reduced behind the weight gradient.
         comm_fwd = 2 * ar
-        comm_bwd = _column_dgrad_exposed(ar, wgrad_qkv) + _column_dgrad_exposed(ar, wgrad_fc1)
+        comm_bwd = _exposed(ar, wgrad_qkv) + _exposed(ar, wgrad_fc1)
     if layout.recompute_granularity == "full":
         comm_bwd += comm_fwd  # the recomputed forward communicates again
     return PassCost(fwd, bwd_in, bwd_w, recompute, comm_fwd, comm_bwd)
@@ -254,11 +256,11 @@ def head_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, holds_embe
             w += _passes(cluster, _tied_weight_grad_bytes(model, layout, vocab), 2)
     group = group_of(cluster, t, 1)
     act = tokens * h * elem
-    if layout.sequence_parallel:  # all-gather in; backward: all-gather again, reduce-scatter behind the wgrad
+    if layout.sequence_parallel:  # all-gather in; backward: all-gather again behind the dgrad, RS behind the wgrad
         comm_f = all_gather_time(cluster, group, act)
-        comm_b = comm_f + _column_dgrad_exposed(reduce_scatter_time(cluster, group, act), w)
+        comm_b = _exposed(comm_f, i) + _exposed(reduce_scatter_time(cluster, group, act), w)
     else:  # the output layer's input-gradient all-reduce hides behind its weight-gradient GEMM
-        comm_f, comm_b = 0.0, _column_dgrad_exposed(all_reduce_time(cluster, group, act), w)
+        comm_f, comm_b = 0.0, _exposed(all_reduce_time(cluster, group, act), w)
     comm_f += 3 * all_reduce_time(cluster, group, tokens * 4)  # the loss's max / sum / target logit
     return PassCost(fwd, bwd_in, w, 0.0, comm_f, comm_b)
 
