@@ -34,6 +34,15 @@ def test_evaluate_mode_prints_breakdowns_and_the_timeline(capsys):
     assert "rank 1" in text and "F0.1" in text  # the text timeline of the simulated schedule
 
 
+def test_evaluate_a_zero_bubble_schedule_draws_its_weight_gradients(capsys):
+    argv = GPT + ["--global-batch-size", "32", "--micro-batch-size", "4", "--pipeline-model-parallel-size", "4",
+                  "--pipeline-schedule", "zb-h2", "--num-gpus", "4", "--cluster", "h100-sxm"]
+    assert plan.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "TP=1 PP=4 zb-h2" in text and "schedule zb-h2" in text
+    assert "W0.0" in text and "B0.0" in text  # W steps of the split backward, on the text grid
+
+
 def test_evaluate_json_has_one_layout(capsys):
     argv = GPT + ["--global-batch-size", "32", "--micro-batch-size", "4", "--tensor-model-parallel-size", "2",
                   "--sequence-parallel", "--num-gpus", "4", "--json"]

@@ -142,6 +142,13 @@ def test_recompute_lowers_memory_and_raises_time():
     assert sel[1].peak_memory_gib < sel[0].peak_memory_gib and sel[1].step_time_s > sel[0].step_time_s
 
 
+def test_search_tries_every_zero_bubble_schedule():
+    layouts = candidates(GPT_1_3B, H100, 4, Layout(global_batch_size=64), (4,))
+    schedules = {layout.pipeline_schedule for layout in layouts if layout.pp == 4}
+    assert schedules == {None, "zb-h1", "zb-h2", "zb-v", "dualpipev"}
+    assert all(layout.pipeline_schedule is None for layout in layouts if layout.pp == 1)
+
+
 def test_search_ranks_only_fitting_layouts_and_finds_the_true_best():
     small = dataclasses.replace(H100, memory_gib=30.0)
     base = Layout(global_batch_size=32)

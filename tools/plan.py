@@ -19,13 +19,14 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel3d.pipeline.registry import build_schedule  # noqa: E402
+from parallel3d.pipeline.schedules import SCHEDULE_NAMES  # noqa: E402
 from parallel3d.pipeline.simulate import simulate  # noqa: E402
 from parallel3d.pipeline.visualize import text_timeline  # noqa: E402
 from parallel3d.planning import PRESETS, Layout, ModelSpec, StepEstimate, estimate, get_cluster, load_cluster  # noqa: E402
 from parallel3d.planning.search import search  # noqa: E402
 
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-                "micro_batch_size", "recompute_granularity")
+                "micro_batch_size", "recompute_granularity", "pipeline_schedule")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -52,6 +53,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--tensor-model-parallel-size", type=int, default=None)
     t.add_argument("--pipeline-model-parallel-size", type=int, default=None)
     t.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    t.add_argument("--pipeline-schedule", choices=SCHEDULE_NAMES, default=None,
+                   help="as pretrain_gpt.py's (default: 1f1b, interleaved-1f1b with virtual stages); the search "
+                        "tries every schedule when none is given")
     t.add_argument("--recompute-granularity", choices=["none", "selective", "full"], default=None)
     t.add_argument("--sequence-parallel", action="store_true")
     t.add_argument("--use-distributed-optimizer", action="store_true")
@@ -99,12 +103,14 @@ def timeline(est: StepEstimate) -> str:
         for start, end, a in tl:
             costs.setdefault((rank, a.chunk), {})[a.kind] = end - start
     unit = min(c["F"] for c in costs.values())
-    q = [[(max(1, round(costs[(r, c)]["F"] / unit)), max(1, round(costs[(r, c)]["B"] / unit))) for c in range(V)]
+    # (F, B) per (rank, chunk), or (F, B, W) where the schedule splits the backward
+    q = [[tuple(max(1, round(costs[(r, c)][k] / unit)) for k in "FBW" if k in costs[(r, c)]) for c in range(V)]
          for r in range(P)]
     schedule = build_schedule(L.schedule_name(m), P, M, V, hidden_size=m.hidden_size, seq_length=m.seq_length)
-    result = simulate(schedule, stage_costs=q)
+    result = simulate(schedule, stage_costs=q, sends_block=False)  # as the estimate simulates
     return (f"timeline of {M} of {L.num_microbatches} microbatches, 1 column = {unit * 1e3:.1f} ms "
-            f"(F/B = forward/backward of microbatch.chunk, '.' = idle):\n" + text_timeline(result))
+            f"(F/B/W = forward / backward / weight gradient of microbatch.chunk, '.' = idle):\n"
+            + text_timeline(result))
 
 
 def report(est: StepEstimate, out=None, draw: bool = True, force_timeline: bool = False) -> None:
@@ -151,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
                              data_parallel_size=num_gpus // (tp * pp), micro_batch_size=args.micro_batch_size or 1,
                              num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
                              recompute_granularity=rc, sequence_parallel=args.sequence_parallel,
-                             use_distributed_optimizer=args.use_distributed_optimizer)
+                             use_distributed_optimizer=args.use_distributed_optimizer,
+                             pipeline_schedule=args.pipeline_schedule)
             results, header = [estimate(model, layout, cluster)], None
         else:
-            fixed = {k: v for k, v in given.items() if k in ("micro_batch_size", "recompute_granularity")}
+            fixed = {k: v for k, v in given.items() if k in ("micro_batch_size", "recompute_granularity",
+                                                             "pipeline_schedule")}
             if "recompute_granularity" in fixed:
                 fixed["recompute_granularity"] = rc
             found = search(model, cluster, num_gpus, base, args.top, fixed)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from parallel3d.pipeline.forward_backward import default_schedule_name
-from parallel3d.pipeline.schedules import SCHEDULE_NAMES, V_SHAPED, placement_of
+from parallel3d.pipeline.schedules import SCHEDULE_NAMES, V_SHAPED, check_schedule_args, placement_of
 from parallel3d.tensor_parallel import vocab_size_with_padding
 
 RECOMPUTE_CHOICES = (None, "selective", "full")
@@ -248,10 +248,9 @@ class Layout:
             raise ValueError(f"--pipeline-schedule {self.pipeline_schedule} holds two chunks per rank in a V: "
                              f"--num-layers ({model.num_layers}) must be a multiple of 2 x PP and "
                              f"--num-layers-per-virtual-pipeline-stage num_layers / (2 PP) (or unset)")
-        if self.num_layers_per_virtual_pipeline_stage and self.schedule_name(model) == "interleaved-1f1b":
-            if self.num_microbatches % self.pp:
-                raise ValueError(f"the interleaved schedule needs the number of microbatches "
-                                 f"({self.num_microbatches}) to be a multiple of PP ({self.pp})")
+        if self.pp > 1:  # the schedule's own microbatch and chunk rules, as training checks them
+            check_schedule_args(self.schedule_name(model), self.pp, self.num_microbatches, self.virtual_stages(model),
+                                None)
 
 
 def num_floating_point_operations(*, batch_size: int, seq_length: int, num_layers: int, hidden_size: int,

@@ -48,17 +48,21 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, num_gpus: int, base: Layo
         dp = num_gpus // (tp * pp)
         per_stage = model.num_layers // pp
         vps = [None] + ([v for v in _divisors(per_stage) if v < per_stage and per_stage // v <= 8] if pp > 1 else [])
-        for mbs, vp, rc, zero in itertools.product(micro_batch_sizes, vps, (None, "selective", "full"),
-                                                   (False, True) if dp > 1 else (False,)):
+        # (virtual layers, schedule): Megatron's 1F1B / interleaved, and each zero-bubble schedule ('auto'
+        # picks among these, so it adds nothing)
+        pipelines = [(vp, None) for vp in vps] + [(None, z) for z in ZERO_BUBBLE if z != "auto" and pp > 1]
+        for mbs, (vp, schedule), rc, zero in itertools.product(micro_batch_sizes, pipelines, (None, "selective", "full"),
+                                                              (False, True) if dp > 1 else (False,)):
             layout = replace(base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                              data_parallel_size=dp, micro_batch_size=mbs, num_layers_per_virtual_pipeline_stage=vp,
-                             recompute_granularity=rc, use_distributed_optimizer=zero, sequence_parallel=tp > 1)
+                             recompute_granularity=rc, use_distributed_optimizer=zero, sequence_parallel=tp > 1,
+                             pipeline_schedule=schedule)
             if fixed:
                 layout = replace(layout, **fixed)
             try:
                 layout.check(model)
-            except ValueError as e:
-                if skipped is not None and len(skipped) < 5 and str(e) not in skipped:
+            except ValueError as e:  # a zero-bubble schedule that does not fit is no news: the others run
+                if skipped is not None and layout.pipeline_schedule is None and len(skipped) < 5 and str(e) not in skipped:
                     skipped.append(str(e))
                 continue
             out.append(layout)
