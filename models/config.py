@@ -232,12 +232,8 @@ class TransformerConfig:
         check_virtual_pipeline_size(pp, vp)
         chunks = vp or 1
         if first is None and last is None:
-            if layers % (pp * chunks) != 0:
-                raise ValueError(
-                    f"num_layers ({layers}) is not divisible by pipeline_model_parallel_size ({pp}) x "
-                    f"virtual_pipeline_model_parallel_size ({chunks}) = {pp * chunks}; set "
-                    "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage for an uneven split"
-                )
+            # Any total: a layout string or the balanced split places the layers (the model takes its
+            # layer_numbers); the even split is checked where it is asked for (layers_per_virtual_stage).
             return
         if pp == 1:
             raise ValueError("num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1")
@@ -277,6 +273,12 @@ class TransformerConfig:
         """
         pp, chunks = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1
         first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
+        if first is None and last is None and self.num_layers % (pp * chunks) != 0:
+            raise ValueError(
+                f"num_layers ({self.num_layers}) is not divisible by pipeline_model_parallel_size ({pp}) x "
+                f"virtual_pipeline_model_parallel_size ({chunks}) = {pp * chunks}: no even split; set "
+                "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage, or place the layers "
+                "with a layout (--pipeline-model-parallel-layout)")
         middle_stages = pp - (first is not None) - (last is not None)
         middle_layers = self.num_layers - (first or 0) - (last or 0)
         per_rank = [middle_layers // middle_stages if middle_stages else 0] * pp

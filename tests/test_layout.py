@@ -79,6 +79,23 @@ def test_pretrain_script_partition_from_the_flags():
         pretrain_gpt.layer_partition(args)
 
 
+def test_a_layer_total_the_stages_do_not_divide():
+    """As Megatron with a layout: 6 layers on 4 stages train when a layout (or the balanced split) places
+    them; the even split refuses them by name."""
+    from gpt_harness import layout_args, pretrain_gpt
+    from parallel3d.training.arguments import ArgumentError
+
+    six = ["--num-layers", "6"]
+    args = layout_args("gpt2", pp=4, extra=six + ["--pipeline-model-parallel-layout", "Et|tt|tt|tL"], world=4)
+    config = pretrain_gpt.transformer_config_from_args(args)
+    assert [len(r[0]) for r in pretrain_gpt.layer_partition(args, config)] == [1, 2, 2, 1]
+    args = layout_args("gpt2", pp=4, extra=six, world=4)
+    assert sum(len(r[0]) for r in pretrain_gpt.layer_partition(args, pretrain_gpt.transformer_config_from_args(args))) == 6
+    args = layout_args("gpt2", pp=4, extra=six + ["--pipeline-split", "even"], world=4)
+    with pytest.raises(ArgumentError, match=r"--pipeline-split even needs --num-layers \(6\) divisible by the 4"):
+        pretrain_gpt.layer_partition(args, pretrain_gpt.transformer_config_from_args(args))
+
+
 def test_layout_string_wins_and_explicit_first_last_are_left_to_the_caller():
     assert layer_counts(_args(num_layers=4, pipeline_model_parallel_layout="Et|tttL"), 2) == [1, 3]
     assert layer_counts(_args(decoder_first_pipeline_num_layers=10), 2) is None

@@ -288,6 +288,15 @@ def test_presets_and_derived_fields():
     assert llama_config("tiny", num_layers=10, pipeline_model_parallel_size=3, virtual_pipeline_model_parallel_size=2,
                         num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=4
                         ).layers_per_virtual_stage() == [1, 2, 2, 1, 2, 2]
+    # Any layer total is a config (a layout or the balanced split places the layers, as Megatron's layout
+    # does); the even split it is asked for must exist.
+    uneven = llama_config("tiny", num_layers=3, pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"num_layers \(3\) is not divisible by pipeline_model_parallel_size \(2\) x "
+                                         r"virtual_pipeline_model_parallel_size \(1\) = 2: no even split"):
+        uneven.layers_per_virtual_stage()
+    with pytest.raises(ValueError, match=r"num_layers \(4\) is not divisible by .* = 8"):
+        llama_config("tiny", num_layers=4, pipeline_model_parallel_size=2,
+                     virtual_pipeline_model_parallel_size=4).layers_per_virtual_stage()
     assert gpt2_config("tiny", bf16=True).params_dtype == torch.bfloat16
     assert gpt2_config("tiny", params_dtype="fp16").params_dtype == torch.float16
     with pytest.warns(UserWarning, match="sequence_parallel=True has no effect"):
@@ -299,10 +308,6 @@ def test_presets_and_derived_fields():
     (dict(tensor_model_parallel_size=8), r"num_attention_heads \(4\) is not divisible by tensor_model_parallel_size \(8\)"),
     (dict(num_query_groups=3), r"num_attention_heads \(4\) is not divisible by num_query_groups \(3\)"),
     (dict(tensor_model_parallel_size=4), r"num_query_groups \(2\) is not divisible by tensor_model_parallel_size \(4\)"),
-    (dict(num_layers=3, pipeline_model_parallel_size=2),
-     r"num_layers \(3\) is not divisible by pipeline_model_parallel_size \(2\) x virtual_pipeline_model_parallel_size \(1\)"),
-    (dict(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4),
-     r"num_layers \(4\) is not divisible by .* = 8"),
     (dict(num_layers=5, pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=2),
      r"the 3 layers left for the 2 middle pipeline stage\(s\) are not divisible by 2"),
     (dict(num_layers=5, pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=2,

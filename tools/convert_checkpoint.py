@@ -76,7 +76,9 @@ def target_config(source: TransformerConfig, tp: int, pp: int, vp: Optional[int]
                   num_layers_in_last_pipeline_stage=None, sequence_parallel=False, params_dtype=dtype,
                   bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
     try:
-        return TransformerConfig(**fields)
+        config = TransformerConfig(**fields)
+        config.layers_per_virtual_stage()  # the converter writes Megatron's even split: it must exist
+        return config
     except ValueError as e:
         raise ConversionError(f"the target layout TP={tp}, PP={pp}, virtual PP={vp} is impossible for this model: "
                               f"{e}") from e

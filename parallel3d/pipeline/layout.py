@@ -115,7 +115,13 @@ def layer_counts(args: Any, num_stages: int, padded_vocab_size: Optional[int] = 
         counts[0] -= emb
         counts[-1] -= loss
         return stage_counts(counts, L, "--account-for-embedding/loss-in-pipeline-split")
-    if getattr(args, "pipeline_split", "balanced") == "even" or num_stages == 1:
+    if num_stages == 1:
+        return None
+    if getattr(args, "pipeline_split", "balanced") == "even":
+        if L % num_stages:
+            raise LayoutError(f"--pipeline-split even needs --num-layers ({L}) divisible by the {num_stages} "
+                              "(virtual) pipeline stages; drop it for the balanced split, or place the layers "
+                              "with --pipeline-model-parallel-layout")
         return None
     tp = getattr(args, "tensor_model_parallel_size", 1)
     head = head_cost_in_layers(args.hidden_size, args.seq_length, padded_vocab_size
