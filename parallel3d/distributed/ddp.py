@@ -36,12 +36,8 @@ from torch import nn
 from parallel3d import parallel_state
 from parallel3d.model_chunk import is_first_stage_chunk, is_last_stage_chunk, set_input, shared_weight
 
-from .param_and_grad_buffer import (
-    Bucket,
-    ParamAndGradBuffer,
-    backend_is_nccl,
-    reduce_scatter_tensor,
-)
+from ..collectives import reduce_scatter_tensor
+from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, backend_is_nccl
 
 
 @dataclass

@@ -30,7 +30,8 @@ from parallel3d import parallel_state as ps
 
 from .ddp import DistributedDataParallel, ddp_chunks
 from .optimizer import FP32Optimizer, MegatronOptimizer, MixedPrecisionOptimizer, OptimizerConfig, no_weight_decay
-from .param_and_grad_buffer import Bucket, all_gather_into_tensor, backend_is_nccl
+from ..collectives import all_gather_into_tensor
+from .param_and_grad_buffer import Bucket, backend_is_nccl
 
 
 @dataclass

@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_gather_into_tensor, reduce_scatter_tensor  # noqa: F401 - imported from here by ddp, ZeRO-1
 
 # Each ZeRO shard starts at a multiple of 64 elements (256 bytes in fp32): aligned
 # memory for the collectives and the optimizer's vectorised kernels.

@@ -129,7 +129,6 @@ def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCo
     """One transformer layer, one microbatch, one TP rank."""
     t, elem = layout.tp, 2 if layout.bf16 else 4
     h, tokens = model.hidden_size, layout.micro_batch_size * model.seq_length
-    sp_tokens = tokens // t if layout.sequence_parallel else tokens  # norms and dropout under SP
     qkv, q = (model.q_size + 2 * model.kv_size) // t, model.q_size // t
     linears = [
         _linear(cluster, tokens, qkv, h, elem),  # linear_qkv

@@ -149,7 +149,7 @@ def simulate_pipeline(name: str, P: int, M: int, V: int, costs: StageTimes, comm
     step = P * max(2 if name in V_SHAPED else 1, math.ceil(4 / P))  # dualpipev needs M >= 2P
     runs = [(m, _run(name, P, m, V, costs, comm, shape)) for m in (step, 2 * step)]
     while True:
-        (ma, ra), (mb, rb) = runs[-2], runs[-1]
+        (_, ra), (mb, rb) = runs[-2], runs[-1]
         mc = mb + step
         if mc >= M:
             r = _run(name, P, M, V, costs, comm, shape)
