@@ -5,3 +5,20 @@ its processes with PARALLEL3D_DEVICE=cuda."""
 import os
 
 os.environ["PARALLEL3D_DEVICE"] = "cpu"
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind(request):
+    """A test that leaves torch.distributed initialised in the pytest process fails itself, by name,
+    instead of failing the unrelated tests after it (its groups are torn down first)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from parallel3d import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        pytest.fail(f"{request.node.nodeid} left torch.distributed initialised", pytrace=False)

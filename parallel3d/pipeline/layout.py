@@ -17,6 +17,7 @@ Every path ends in :func:`stage_counts`, which refuses a layout that would drop 
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Optional
 
@@ -96,6 +97,13 @@ def head_cost_in_layers(hidden_size: int, seq_length: int, padded_vocab_size: in
     return (6 * h * V + loss_bytes * V * FLOPS_PER_LOSS_BYTE) / ((72 * h * h + 12 * s * h) * LAYER_OVER_GEMMS)
 
 
+@functools.lru_cache(maxsize=256)
+def _balanced_uniform(num_layers: int, num_stages: int, head: float) -> tuple[int, ...]:
+    """The balanced split of equal layers with a head of ``head`` layers; cached, as the planner's
+    search asks for the same few thousands of times."""
+    return tuple(_balanced_counts([1.0] * num_layers, num_stages, 0.0, head, allow_empty=False))
+
+
 def layer_counts(args: Any, num_stages: int, padded_vocab_size: Optional[int] = None) -> Optional[list[int]]:
     """Layers per virtual stage from the arguments (see the module doc); None = an even split.
 
@@ -128,4 +136,4 @@ def layer_counts(args: Any, num_stages: int, padded_vocab_size: Optional[int] = 
                                or getattr(args, "padded_vocab_size", None) or args.vocab_size, tp > 1)
     if L < num_stages:
         return None  # not enough layers to balance: the even split's error says so
-    return _balanced_counts([1.0] * L, num_stages, 0.0, head, allow_empty=False)
+    return list(_balanced_uniform(L, num_stages, head))

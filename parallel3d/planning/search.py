@@ -74,11 +74,13 @@ def lower_bound(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> tuple
     costs = stage_costs(model, layout, cluster)
     name, V = layout.schedule_name(model), layout.virtual_stages(model)
     M, best, fits = layout.num_microbatches, 0.0, True
+    start = 0.0  # a rank starts after the first microbatch's forward reached it (every schedule)
     for rank, row in enumerate(costs):
         work = M * sum(c.forward + c.backward for c in row)
         window = sum(c.backward for c in row)
         n = params_on_rank(model, layout, rank)
-        best = max(best, work + _dp_time(model, layout, cluster, rank, window) + optimizer_time(n, layout, cluster))
+        best = max(best, start + work + _dp_time(model, layout, cluster, rank, window) + optimizer_time(n, layout, cluster))
+        start += row[0].forward
         # The most (microbatch, chunk) forwards a rank holds: its warm-up plus the first steady one.
         # (A zero-bubble schedule's count is only known from its simulation: 1, a lower bound.)
         inflight = 1 if name in ZERO_BUBBLE else min(num_warmup_microbatches(name, rank, layout.pp, M, V) + 1, M * V)
