@@ -33,7 +33,8 @@ echo "build step: $(( $(date +%s) - start )) s"
 
 if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = quick ]; then
   start=$(date +%s)
-  timeout 180 python3 -m pytest -q -rs --durations=8 tests/test_fused.py 2>&1 | tee "$OUT/pytest.log" | tail -40
+  timeout 180 python3 -m pytest -q -rs --durations=8 \
+    tests/test_fused_norms.py tests/test_fused_rope.py tests/test_fused_elementwise.py 2>&1 | tee "$OUT/pytest.log" | tail -40
   echo "tests step: $(( $(date +%s) - start )) s"
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then

@@ -22,3 +22,34 @@ def _no_process_group_left_behind(request):
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
         pytest.fail(f"{request.node.nodeid} left torch.distributed initialised", pytrace=False)
+
+
+@pytest.fixture
+def poisoned():
+    """The fused CUDA kernels fill each output they allocate with NaN before writing it (tests/test_fused_*.py;
+    only GPU tests, which skip where the extension is missing, use it)."""
+    from parallel3d.fused import _ext
+
+    ext = _ext.get_ext()
+    ext.set_poison_outputs(True)
+    try:
+        yield
+    finally:
+        ext.set_poison_outputs(False)
+
+
+@pytest.fixture(scope="session")
+def hf(tmp_path_factory):
+    """family -> (HF dir, model, greedy tokens, their logprobs): the tiny transformers models of
+    tests/hf_checkpoints.py, for tests/test_checkpoint_conversion.py and tests/test_checkpoint_generation.py."""
+    from hf_checkpoints import hf_references
+
+    return hf_references(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(hf, tmp_path_factory):
+    """family -> {layout name: parallel3d dir, "hf": the round-tripped HF dir} (tests/hf_checkpoints.py)."""
+    from hf_checkpoints import converted_checkpoints
+
+    return converted_checkpoints(hf, tmp_path_factory)

@@ -1,0 +1,180 @@
+"""parallel3d.fused rotary embeddings (sbhd / bhsd, q and k together) against fp64 Megatron-Core and HF references."""
+import pytest
+import torch
+
+import parallel3d.fused as fused
+from fused_reference import CPU_DTYPES, DTYPES, TOL, check_against_reference, gpu, randn, rel_err
+
+
+# ---- fp64 references (written from Megatron-Core / HF, independent of the wrappers) and checks 
+
+
+def _rotate_half(x):
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def ref_rope_megatron(t, freqs):
+    """Megatron-Core apply_rotary_pos_emb_bshd (non-interleaved), t [s, b, h, d], freqs [s, 1|b, 1, rot]."""
+    rot_dim = freqs.shape[-1]
+    t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    t = (t * torch.cos(freqs)) + (_rotate_half(t) * torch.sin(freqs))
+    return torch.cat((t, t_pass), dim=-1)
+
+
+def ref_rope_hf(q, emb):
+    """HF LLaMA apply_rotary_pos_emb, q [b, h, s, d], cos/sin from emb [s, d]."""
+    cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+    return (q * cos) + (_rotate_half(q) * sin)
+
+
+def rope_freqs(s, rot, device, base=10000.0):
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float32, device=device) / rot))
+    f = torch.outer(torch.arange(s, dtype=torch.float32, device=device), inv_freq)
+    return torch.cat((f, f), dim=-1)  # [s, rot]
+
+
+def _check_rope_sbhd(device, dtype, s, b, h, d, rot, per_sample=False):
+    t = randn(s, b, h, d, dtype=dtype, device=device)
+    if per_sample:  # [s, b, 1, rot]: each sample its own positions
+        freqs = torch.stack([rope_freqs(s + 3 * i, rot, device)[3 * i:] for i in range(b)], dim=1)[:, :, None]
+    else:  # Megatron's [S, 1, 1, rot] with S > s
+        freqs = rope_freqs(s + 5, rot, device)[:, None, None]
+    check_against_reference(
+        lambda t: fused.apply_rotary_pos_emb(t, freqs, "sbhd"),
+        lambda t: ref_rope_megatron(t, freqs[:s].double()),
+        [t], [0], TOL[dtype],
+    )
+
+
+def _check_rope_bhsd(device, dtype, b, h, s, d):
+    q = randn(b, h, s, d, dtype=dtype, device=device)
+    emb = rope_freqs(s, d, device)
+    check_against_reference(
+        lambda q: fused.apply_rotary_pos_emb(q, emb, "bhsd"), lambda q: ref_rope_hf(q, emb.double()),
+        [q], [0], TOL[dtype],
+    )
+
+
+def _check_rope_qk(device, dtype, layout):
+    """q and k (grouped-query: 8 and 2 heads) rotated in one call, against two reference calls."""
+    s, b, d = 33, 2, 64
+    if layout == "sbhd":  # partial rotary, Megatron's [S, 1, 1, rot] freqs
+        q, k = randn(s, b, 8, d, dtype=dtype, device=device), randn(s, b, 2, d, dtype=dtype, device=device)
+        freqs = rope_freqs(s + 5, 48, device)[:, None, None]
+
+        def ref(t):
+            return ref_rope_megatron(t, freqs[:s].double())
+    else:
+        q, k = randn(b, 8, s, d, dtype=dtype, device=device), randn(b, 2, s, d, dtype=dtype, device=device)
+        freqs = rope_freqs(s, d, device)
+
+        def ref(t):
+            return ref_rope_hf(t, freqs.double())
+
+    qa, ka = q.clone().requires_grad_(), k.clone().requires_grad_()
+    out_q, out_k = fused.apply_rotary_pos_emb_qk(qa, ka, freqs, layout)
+    dq, dk = torch.randn_like(out_q), torch.randn_like(out_k)
+    torch.autograd.backward([out_q, out_k], [dq, dk])
+    for t, out, dy, grad in ((q, out_q, dq, qa.grad), (k, out_k, dk, ka.grad)):
+        t64 = t.double().requires_grad_()
+        ref_out = ref(t64)
+        ref_out.backward(dy.double())
+        assert rel_err(out, ref_out) <= TOL[dtype]
+        assert rel_err(grad, t64.grad) <= TOL[dtype]
+
+
+# ---- CPU: fallbacks --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("s,b,h,d,rot", [(1, 1, 1, 2, 2), (7, 3, 5, 64, 64), (9, 2, 3, 96, 32)])
+def test_rope_sbhd_cpu(dtype, s, b, h, d, rot):
+    _check_rope_sbhd("cpu", dtype, s, b, h, d, rot)
+
+
+def test_rope_per_sample_freqs_cpu():
+    _check_rope_sbhd("cpu", torch.float32, 6, 3, 2, 16, 8, per_sample=True)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_rope_bhsd_cpu(dtype):
+    _check_rope_bhsd("cpu", dtype, 2, 3, 11, 32)
+
+
+@pytest.mark.parametrize("layout", ["sbhd", "bhsd"])
+def test_rope_qk_cpu(layout):
+    _check_rope_qk("cpu", torch.float32, layout)
+
+
+def test_rope_layouts_agree_cpu():
+    t = torch.randn(5, 2, 3, 16)
+    freqs = rope_freqs(5, 16, "cpu")
+    a = fused.apply_rotary_pos_emb(t, freqs[:, None, None], "sbhd")
+    b = fused.apply_rotary_pos_emb(t.permute(1, 2, 0, 3), freqs, "bhsd")
+    torch.testing.assert_close(a, b.permute(2, 0, 1, 3))
+
+
+# ---- GPU: kernels ----------------------------------------------------------------------------
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "s,b,h,d,rot",
+    [(1, 1, 1, 2, 2), (7, 3, 5, 64, 64), (33, 2, 4, 128, 64), (17, 2, 3, 96, 32), (5, 2, 3, 80, 40),
+     (9, 1, 2, 10, 6), (128, 2, 8, 128, 128), (64, 4, 32, 128, 128)],
+)
+def test_rope_sbhd_gpu(poisoned, dtype, s, b, h, d, rot):
+    _check_rope_sbhd("cuda", dtype, s, b, h, d, rot)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_per_sample_freqs_gpu(poisoned, dtype):
+    _check_rope_sbhd("cuda", dtype, 19, 3, 4, 64, 32, per_sample=True)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["sbhd", "bhsd"])
+def test_rope_qk_gpu(poisoned, dtype, layout):
+    _check_rope_qk("cuda", dtype, layout)
+
+
+@gpu
+def test_rope_follows_freqs_changed_in_place_gpu():
+    """The kernel's cos/sin are computed once per freqs tensor; an in-place change must not reuse them."""
+    t = randn(7, 2, 3, 32, dtype=torch.float32, device="cuda")
+    freqs = rope_freqs(7, 32, "cuda")[:, None, None]
+    fused.apply_rotary_pos_emb(t, freqs, "sbhd")
+    freqs.mul_(2.0)
+    out = fused.apply_rotary_pos_emb(t, freqs, "sbhd")
+    assert rel_err(out, ref_rope_megatron(t.double(), freqs.double())) <= 1e-6
+
+
+@gpu
+def test_rope_far_positions_gpu():
+    """Angles of thousands of radians (position 8191 x inv_freq 1) are as exact as torch's cos/sin."""
+    s, d = 8192, 64
+    t = randn(s, 1, 2, d, dtype=torch.float32, device="cuda")
+    freqs = rope_freqs(s, d, "cuda")[:, None, None]
+    out = fused.apply_rotary_pos_emb(t, freqs, "sbhd")
+    assert rel_err(out, ref_rope_megatron(t.double(), freqs.double())) <= 1e-6
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,h,s,d", [(2, 3, 11, 32), (1, 8, 257, 128), (3, 2, 5, 6)])
+def test_rope_bhsd_gpu(poisoned, dtype, b, h, s, d):
+    _check_rope_bhsd("cuda", dtype, b, h, s, d)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_strided_view_gpu(poisoned, dtype):
+    # q as a slice of a fused [s, b, h, 3d] QKV tensor: head stride 3d, last dim contiguous.
+    s, b, h, d = 13, 2, 4, 64
+    qkv = randn(s, b, h, 3 * d, dtype=dtype, device="cuda")
+    q = qkv[..., :d]
+    freqs = rope_freqs(s, d, "cuda")[:, None, None]
+    out = fused.apply_rotary_pos_emb(q, freqs, "sbhd")
+    assert rel_err(out, ref_rope_megatron(q.double(), freqs.double())) <= TOL[dtype]
