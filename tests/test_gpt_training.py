@@ -271,21 +271,29 @@ def test_a_run_that_splits_the_layers_otherwise_is_refused_with_the_layout_that_
         assert generation_layers == [range(0, 5) if rank == 0 else range(5, 8)]
 
 
-def _zbv_save(rank, world_size, save_dir):
-    ps.initialize_model_parallel(1, 2, 2)
+def _pp2_save(rank, world_size, save_dir, vp, extra):
+    ps.initialize_model_parallel(1, 2, vp)
     try:
-        args = layout_args("gpt2", 1, 2, 2, extra=["--pipeline-schedule", "zb-v"], world=world_size, iters=2)
+        args = layout_args("gpt2", 1, 2, vp, extra=extra, world=world_size, iters=2)
         args.save, args.save_interval = save_dir, 2
         train(args)
     finally:
         ps.destroy_model_parallel()
 
 
-def test_a_zero_bubble_v_checkpoint_converts_to_one_stage(tmp_path):
-    """ZB-V puts rank 0's second chunk at the end of the model; the converter reads that placement."""
-    run_distributed(_zbv_save, 2, args=(str(tmp_path / "zbv"),), timeout=300)
-    convert("parallel3d", "parallel3d", str(tmp_path / "zbv"), str(tmp_path / "one"))
-    args = layout_args("gpt2", iters=2)  # the same training on one process
+THREE_LAYERS = ["--num-layers", "3"]
+
+
+@pytest.mark.parametrize("vp,extra,reference", [
+    # ZB-V puts rank 0's second chunk at the end of the model; the converter reads that placement.
+    (2, ["--pipeline-schedule", "zb-v"], []),
+    # A layer total the stages do not divide, placed by a layout (Megatron's): 1 + 2 layers.
+    (None, THREE_LAYERS + ["--pipeline-model-parallel-layout", "Et|ttL"], THREE_LAYERS),
+], ids=["zb-v", "3-layers-by-layout"])
+def test_a_pipeline_checkpoint_converts_to_one_stage_and_equals_one_process(tmp_path, vp, extra, reference):
+    run_distributed(_pp2_save, 2, args=(str(tmp_path / "pp2"), vp, extra), timeout=300)
+    convert("parallel3d", "parallel3d", str(tmp_path / "pp2"), str(tmp_path / "one"))
+    args = layout_args("gpt2", extra=reference, iters=2)  # the same training on one process
     args.save, args.save_interval = str(tmp_path / "ref"), 2
     train(args)
     shard = os.path.join("iter_0000002", checkpointing.rank_dir_name(0, 0), "model.safetensors")
