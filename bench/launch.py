@@ -9,10 +9,16 @@ from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = os.path.join(ROOT, "bench", "gpt_bench.py")
-# The Megatron-Core runner from ../shared/anchors, copied next to the carried wheels for the GPU machine.
-MEGATRON = next((p for p in (os.path.join(ROOT, ".whl", "anchors", "megatron_gpt_bench.py"),
-                             os.path.join(ROOT, "..", "shared", "anchors", "megatron_gpt_bench.py"))
+
+
+def _anchor(name: str) -> Optional[str]:
+    """A peer's runner from ../shared/anchors, or its copy next to the carried wheels (GPU machine)."""
+    return next((p for p in (os.path.join(ROOT, ".whl", "anchors", name), os.path.join(ROOT, "..", "shared", "anchors", name))
                  if os.path.exists(p)), None)
+
+
+MEGATRON = _anchor("megatron_gpt_bench.py")
+PLAIN = _anchor("plain_gpt_bench.py")  # the model written by hand in plain PyTorch (eager or torch.compile)
 
 
 def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: str,

@@ -1,10 +1,12 @@
-"""One GPU, one preset: Megatron-Core against parallel3d with and without the fused kernels.
+"""One GPU, one preset: Megatron-Core and plain PyTorch (eager and torch.compile) against parallel3d
+with and without the fused kernels.
 
     python3 bench/single_gpu_bench.py [--preset llama-1b] [--out DIR]
 
-Each run is ``gpt_bench.py`` (or the Megatron-Core anchor) under torchrun with the same arguments:
-micro-batch 4, 4 microbatches per step. The unfused run sets PARALLEL3D_DISABLE_FUSION=1, so the
-difference between the two parallel3d runs is what csrc/ is worth end to end.
+Each run is ``gpt_bench.py`` (or a peer's anchor) under torchrun with the same model and batch:
+micro-batch 4, 4 microbatches per step (the plain runner's ``--grad-accum 4``). The unfused run sets
+PARALLEL3D_DISABLE_FUSION=1, so the difference between the two parallel3d runs is what csrc/ is worth
+end to end. Ratios are to the fastest peer.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import argparse
 import json
 import os
 
-from launch import MEGATRON, OURS, iteration_time, run, tokens_per_gpu
+from launch import MEGATRON, OURS, PLAIN, iteration_time, run, tokens_per_gpu
 
 
 def main() -> None:
@@ -22,18 +24,24 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     a = p.parse_args()
-    common = ["--preset", a.preset, "--iters", str(a.iters), "--warmup", str(a.warmup), "--global-batch-size", "16"]
+    steps = ["--iters", str(a.iters), "--warmup", str(a.warmup)]
+    common = ["--preset", a.preset, "--global-batch-size", "16"] + steps
+    plain = ["--preset", a.preset, "--grad-accum", "4"] + steps
     logs = os.path.join(a.out, "logs")
     r = {
         "megatron": run(f"megatron_{a.preset}", 1, MEGATRON, common, logs),
+        "plain PyTorch eager": run(f"plain_{a.preset}", 1, PLAIN, plain, logs),
+        "plain PyTorch + torch.compile": run(f"plain_{a.preset}_compile", 1, PLAIN, plain + ["--compile"], logs),
         "parallel3d fused": run(f"p3d_{a.preset}_fused", 1, OURS, common, logs),
     }
     os.environ["PARALLEL3D_DISABLE_FUSION"] = "1"  # inherited by the next torchrun
     r["parallel3d unfused"] = run(f"p3d_{a.preset}_unfused", 1, OURS, common, logs)
-    base = tokens_per_gpu(r["megatron"])
-    print(f"\n| {a.preset} run | step time | tokens/s/GPU | vs Megatron-Core |\n|---|---|---|---|")
+    base = max((tokens_per_gpu(res) for name, res in r.items() if res and "parallel3d" not in name), default=float("nan"))
+    print(f"\n| {a.preset} run | step time | tokens/s/GPU | peak GiB | vs the fastest peer |\n|---|---|---|---|---|")
     for name, res in r.items():
-        print(f"| {name} | {iteration_time(res):.3f} s | {tokens_per_gpu(res):,.0f} | {tokens_per_gpu(res) / base:.3f}x |")
+        peak = (res or {}).get("peak_memory_gb") or (res or {}).get("max_mem_allocated_gib") or float("nan")
+        print(f"| {name} | {iteration_time(res):.3f} s | {tokens_per_gpu(res):,.0f} | {peak:.1f} | "
+              f"{tokens_per_gpu(res) / base:.3f}x |")
     with open(os.path.join(a.out, f"single_gpu_{a.preset}.json"), "w") as f:
         json.dump(r, f, indent=1)
 
