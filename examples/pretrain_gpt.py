@@ -41,7 +41,7 @@ from parallel3d.data import (  # noqa: E402
 )
 from parallel3d.models.generation import generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
-from parallel3d.pipeline.layout import LayoutError, layer_counts  # noqa: E402
+from parallel3d.pipeline.layout import LayoutError, layer_partition_from_args  # noqa: E402
 from parallel3d.pipeline.schedules import placement_of  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
 from parallel3d.training import initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
@@ -149,12 +149,11 @@ def layer_partition(args: argparse.Namespace, config: Optional[TransformerConfig
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     placement = placement_of(getattr(args, "pipeline_schedule", None), vp)
     if first is None and last is None:
-        try:  # a layout string, the account-for flags, or the FLOPs-balanced default
-            counts = layer_counts(args, pp * vp, config.padded_vocab_size if config is not None else None)
+        try:  # a layout string, the account-for flags, or the cost-balanced default
+            return layer_partition_from_args(args, pp, vp, placement,
+                                             config.padded_vocab_size if config is not None else None)
         except LayoutError as e:
             raise ArgumentError(str(e)) from None
-        return partition_layers(args.num_layers, pp, vp, layers_per_stage=counts, allow_empty_stages=counts is not None,
-                                placement=placement)
     if vp != 1:
         raise ArgumentError("--decoder-first/last-pipeline-num-layers need one chunk per pipeline rank")
     inner = args.num_layers - (first or 0) - (last or 0)

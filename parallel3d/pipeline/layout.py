@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from parallel3d.tensor_parallel.cross_entropy import loss_bytes_per_logit
 
-from .partition import _balanced_counts, _even_counts
+from .partition import _balanced_counts, _even_counts, partition_layers
 
 
 class LayoutError(ValueError):
@@ -137,3 +137,12 @@ def layer_counts(args: Any, num_stages: int, padded_vocab_size: Optional[int] = 
     if L < num_stages:
         return None  # not enough layers to balance: the even split's error says so
     return list(_balanced_uniform(L, num_stages, head))
+
+
+def layer_partition_from_args(args: Any, pipeline_size: int, virtual_size: int, placement: str,
+                              padded_vocab_size: Optional[int] = None) -> list[list[range]]:
+    """result[rank][chunk]: the layers of each (virtual) stage by :func:`layer_counts`, in the schedule's
+    chunk placement: what training builds and the planner prices (one rule for both)."""
+    counts = layer_counts(args, pipeline_size * virtual_size, padded_vocab_size)
+    return partition_layers(args.num_layers, pipeline_size, virtual_size, layers_per_stage=counts,
+                            allow_empty_stages=counts is not None, placement=placement)

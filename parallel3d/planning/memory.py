@@ -13,8 +13,7 @@ import functools
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
-from parallel3d.pipeline.layout import layer_counts
-from parallel3d.pipeline.partition import partition_layers
+from parallel3d.pipeline.layout import layer_partition_from_args
 from parallel3d.pipeline.schedules import virtual_stage
 
 from .hardware import GIB, ClusterSpec
@@ -69,9 +68,7 @@ def layer_partition(model: ModelSpec, layout: Layout) -> list[list[range]]:
         vocab_size=model.vocab_size, tensor_model_parallel_size=layout.tp,  # which loss the head cost counts
         pipeline_split=layout.pipeline_split, pipeline_model_parallel_layout=None,
         decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
-    counts = layer_counts(args, P * V, model.vocab(layout.tp))
-    return partition_layers(model.num_layers, P, V, layers_per_stage=counts, allow_empty_stages=counts is not None,
-                            placement=layout.placement(model))
+    return layer_partition_from_args(args, P, V, layout.placement(model), model.vocab(layout.tp))
 
 
 def rank_chunks(model: ModelSpec, layout: Layout, rank: int) -> list[tuple[int, bool, bool]]:
