@@ -5,8 +5,8 @@
 
 Every forward, backward (B) and weight-gradient step (W) of the schedule is timed with CUDA
 events; the simulator is then given those per-stage times and predicts the step's makespan and
-bubble, which are compared with what was measured ("async" = the prediction if sends never
-waited for their receiver, the zero-bubble paper's model).  Each schedule runs with the even
+bubble, which are compared with what was measured (with the simulator's default, sends that
+never wait for their receiver, as NCCL runs them; and, for contrast, if every send waited).  Each schedule runs with the even
 split (Megatron's default) and the cost-balanced one (ours, the default); Megatron-Core's 1F1B
 and interleaved run in the same call.  Every run is one torchrun job bounded by --timeout.
 """
@@ -26,7 +26,7 @@ def _row(name: str, res: dict, peer: dict | None) -> str:
     return (f"| {name} | {iteration_time(res):.3f} | {tokens_per_gpu(res):,.0f} | {vs} | "
             f"{res['measured_bubble_overhead']:.3f} | {res['predicted_bubble_overhead']:.3f} | "
             f"{res['measured_schedule_makespan_s']:.3f} / {res['predicted_makespan_s']:.3f} / "
-            f"{res.get('predicted_makespan_async_sends_s', float('nan')):.3f} | "
+            f"{res.get('predicted_makespan_blocking_sends_s', float('nan')):.3f} | "
             f"{res.get('peak_memory_gb') or float('nan'):.1f} |")
 
 
@@ -59,7 +59,7 @@ def main() -> None:
                                            timeout=a.timeout)
     best_megatron = max((x for k, x in r.items() if k.startswith("megatron") and x), key=tokens_per_gpu, default=None)
     print("\n| schedule split | step (s) | tokens/s/GPU | vs Megatron-Core's best | bubble measured | bubble predicted "
-          "| makespan measured / predicted / async (s) | peak memory (GiB) |")
+          "| makespan measured / predicted / if sends blocked (s) | peak memory (GiB) |")
     print("|---|---|---|---|---|---|---|---|")
     for name, res in r.items():
         if res is None:

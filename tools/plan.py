@@ -107,7 +107,7 @@ def timeline(est: StepEstimate) -> str:
     q = [[tuple(max(1, round(costs[(r, c)][k] / unit)) for k in "FBW" if k in costs[(r, c)]) for c in range(V)]
          for r in range(P)]
     schedule = build_schedule(L.schedule_name(m), P, M, V, hidden_size=m.hidden_size, seq_length=m.seq_length)
-    result = simulate(schedule, stage_costs=q, sends_block=False)  # as the estimate simulates
+    result = simulate(schedule, stage_costs=q)  # as the estimate simulates
     return (f"timeline of {M} of {L.num_microbatches} microbatches, 1 column = {unit * 1e3:.1f} ms "
             f"(F/B/W = forward / backward / weight gradient of microbatch.chunk, '.' = idle):\n"
             + text_timeline(result))

@@ -37,10 +37,9 @@ def paper_costs(hidden_size: float, seq_length: float) -> tuple[float, float, fl
 
 def auto_options(hidden_size: Optional[int] = None, seq_length: Optional[int] = None) -> dict:
     """build_schedule('auto', ...)'s options where nothing was measured: the model's shape by
-    paper_costs (unit times without one), and sends that do not wait, as NCCL ran them (4 x H100,
-    PP=4 ZB-H2: 0.732 s measured, 0.729 s simulated so, 0.996 s with blocking sends; BENCHMARKS.md).
-    Training, the benchmark and the planner all build 'auto' through this, so they pick alike."""
-    options: dict = {"sends_block": False}
+    paper_costs (unit times without one); the simulator's sends that do not wait are how NCCL ran
+    them.  Training, the benchmark and the planner all build 'auto' through this, so they pick alike."""
+    options: dict = {}
     if hidden_size and seq_length:
         f, b, w, m_b, m_w = paper_costs(hidden_size, seq_length)
         options.update(forward_time=f, backward_time=b, weight_time=w, weight_fraction=m_w / m_b)
@@ -73,7 +72,7 @@ def candidates(P: int, M: int, V: int, times: tuple[float, float, float], comm_t
 def auto_schedule(num_stages: int, num_microbatches: int, num_model_chunks: int = 1, *,
                   forward_time: float = 1.0, backward_time: float = 1.0, weight_time: float = 1.0,
                   comm_time: float = 0.0, memory_limit: Optional[float] = None, weight_fraction: float = 0.94,
-                  sends_block: bool = True, results: Optional[dict[str, SimResult]] = None) -> Schedule:
+                  sends_block: bool = False, results: Optional[dict[str, SimResult]] = None) -> Schedule:
     """The candidate with the smallest simulated makespan within ``memory_limit`` M_B per rank.
 
     memory_limit defaults to 1F1B's peak, P M_B.  ``results``, if given, receives every

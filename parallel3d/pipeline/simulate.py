@@ -177,7 +177,7 @@ def _batch_ends(actions: list[Action]) -> list[int]:
 
 
 def _run(schedule: Schedule, partner: dict[Slot, Slot], duration: Callable[[int, Action], float],
-         comm_time: float, sends_block: bool = True,
+         comm_time: float, sends_block: bool,
          headers: bool = False) -> tuple[list[list[tuple[float, float, Action]]], list[float]]:
     """Execute the schedule under the rendezvous model; raise ScheduleError on deadlock.
 
@@ -291,7 +291,9 @@ def validate(schedule: Schedule, negotiate_shapes: bool = False) -> None:
     (with ``negotiate_shapes``: also when each batch first exchanges shape headers)."""
     partner = _check_and_match(schedule)
     _check_batches_pair_up(schedule, partner)
-    _run(schedule, partner, lambda rank, action: 1.0, 0.0, headers=negotiate_shapes)
+    # A send that waits for its receiver is the stricter rendezvous: an order that cannot deadlock
+    # so cannot deadlock however the transport buffers (NCCL may hold a large send until it is received).
+    _run(schedule, partner, lambda rank, action: 1.0, 0.0, sends_block=True, headers=negotiate_shapes)
 
 
 @dataclass
@@ -336,7 +338,7 @@ def _costs(schedule: Schedule, forward_time: float, backward_time: float, weight
 
 def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float = 2.0,
              comm_time: float = 0.0, stage_costs: StageCosts | None = None, *, weight_time: float = 0.0,
-             activation_memory: float = 1.0, weight_memory: float = 0.0, sends_block: bool = True) -> SimResult:
+             activation_memory: float = 1.0, weight_memory: float = 0.0, sends_block: bool = False) -> SimResult:
     """Time a schedule: costs are per model chunk; comm batches finish when matched + comm_time.
 
     backward_time is the input gradient (B), weight_time the weight gradient (W): a schedule
@@ -345,8 +347,11 @@ def simulate(schedule: Schedule, forward_time: float = 1.0, backward_time: float
     {(rank, chunk): (f, b[, w])} (missing entries use the times above) or as a nested sequence
     stage_costs[rank][chunk].  Memory (the paper's Table 1): a forward holds activation_memory
     until its B, which keeps weight_memory of it until its W (without W actions: until the B).
-    sends_block=False times the zero-bubble paper's model, where a send never waits for its
-    receiver; the default is the executor's (a comm batch waits until both sides posted it).
+    By default a send never waits for its receiver (the zero-bubble paper's model), which is what
+    the executor's NCCL batches cost: their waits order the NCCL stream, not the compute stream,
+    and every measured GPU step matched it (PP=2 ZB-H1/ZB-H2/auto within 0.3%, where the other model
+    was 14-21% slow; BENCHMARKS.md). sends_block=True times a comm batch that waits until both
+    sides posted it (a blocking transport, e.g. gloo on CPU ranks).
     Checks first that the schedule is complete and its messages
     match (and _run that it cannot deadlock); unlike validate() it does not require the two sides of
     a message to sit in batches that pair up, so a forward-only chain can be timed too.

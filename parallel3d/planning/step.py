@@ -126,7 +126,7 @@ def _run(name: str, P: int, M: int, V: int, costs: StageTimes, comm: float, shap
     # Sends do not hold up their sender (the zero-bubble paper's model): what the executor measures
     # (bench/layouts_bench.py, 4 x H100 PP=4: ZB-H2's step 0.732 s against 0.728 s simulated so,
     # 0.994 s with blocking sends; the other schedules time the same either way).
-    return simulate(schedule, comm_time=comm, stage_costs=costs, sends_block=False)
+    return simulate(schedule, comm_time=comm, stage_costs=costs)
 
 
 def schedule_times(cost: PassCost) -> tuple[float, float, float]:
