@@ -1,5 +1,5 @@
 """One GPU, one preset: Megatron-Core and plain PyTorch (eager and torch.compile) against parallel3d
-with and without the fused kernels.
+with and without the fused kernels, and with --compile (each layer through torch.compile).
 
     python3 bench/single_gpu_bench.py [--preset llama-1b] [--out DIR]
 
@@ -33,6 +33,7 @@ def main() -> None:
         "plain PyTorch eager": run(f"plain_{a.preset}", 1, PLAIN, plain, logs),
         "plain PyTorch + torch.compile": run(f"plain_{a.preset}_compile", 1, PLAIN, plain + ["--compile"], logs),
         "parallel3d fused": run(f"p3d_{a.preset}_fused", 1, OURS, common, logs),
+        "parallel3d fused, --compile": run(f"p3d_{a.preset}_compile", 1, OURS, common + ["--compile"], logs),
     }
     os.environ["PARALLEL3D_DISABLE_FUSION"] = "1"  # inherited by the next torchrun
     r["parallel3d unfused"] = run(f"p3d_{a.preset}_unfused", 1, OURS, common, logs)

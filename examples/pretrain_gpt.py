@@ -136,7 +136,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         attention_backend=args.attention_backend, gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         bias_activation_fusion=args.bias_gelu_fusion and args.bias_swiglu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
-        apply_rope_fusion=args.apply_rope_fusion,
+        apply_rope_fusion=args.apply_rope_fusion, compile_layers=args.compile, compile_backend=args.compile_backend,
     )
 
 

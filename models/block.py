@@ -46,6 +46,17 @@ class TransformerLayer(nn.Module):
         return self._residual(self.mlp(normed), normed if post_ln_residual else hidden_states)
 
 
+def compile_layer(layer: nn.Module, config: TransformerConfig) -> None:
+    """torch.compile one layer in place (its parameter names and state dict stay the same)."""
+    if config.compile_backend == "inductor" and (config.hidden_dropout > 0 or config.attention_dropout > 0):
+        # Dropout then draws eager's random numbers: the same masks as without --compile, from the
+        # stream the RNG tracker has forked (process-wide, as it is set once for the compiled code).
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fallback_random = True
+    layer.compile(backend=config.compile_backend)
+
+
 class TransformerBlock(nn.Module):
     """The layers of one model chunk (global indices ``layer_numbers``) and, on the last, the final norm."""
 
@@ -58,6 +69,9 @@ class TransformerBlock(nn.Module):
             with init_rng(config.seed, f"decoder.layers.{index}"):
                 layers.append(TransformerLayer(config, index + 1, tp_group))
         self.layers = nn.ModuleList(layers)
+        if config.compile_layers:
+            for layer in layers:
+                compile_layer(layer, config)
         self.final_layernorm = Norm(config, config.hidden_size) if post_process else None
 
     def _run(self, start: int, end: int) -> Callable:

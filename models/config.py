@@ -112,6 +112,10 @@ class TransformerConfig:
     masked_softmax_fusion: bool = True  # "local" attention only
     apply_rope_fusion: bool = True
     normalization_fusion: bool = True  # LayerNorm / RMSNorm through parallel3d.fused
+    # torch.compile each transformer layer (--compile): Inductor fuses the elementwise passes and
+    # chooses what backward recomputes; the TP linears stay eager (tensor_parallel/layers.py).
+    compile_layers: bool = False
+    compile_backend: str = "inductor"  # torch.compile's backend ("aot_eager": trace only, for tests)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

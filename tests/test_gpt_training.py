@@ -49,6 +49,18 @@ ZB_LAYOUTS = [
                                "--overlap-grad-reduce", "--pipeline-model-parallel-layout", "Ettt|tt|tt|tL"]),
 ]
 
+# --compile (each layer through torch.compile, the TP linears eager) with TP+SP, PP, V, a zero-bubble
+# schedule, recompute, DP overlap and ZeRO-1. aot_eager traces the same graphs Inductor would get (its
+# graph breaks, the linears' autograd, the hooks) in seconds; test_compiled_layers_with_inductor runs
+# Inductor's generated code on one process.
+_AOT = ["--compile", "--compile-backend", "aot_eager"]
+COMPILE_LAYOUTS = [
+    ("gpt2", 2, 2, 1, True, _AOT + ["--recompute-granularity", "full", "--overlap-grad-reduce"]),
+    ("llama", 2, 2, 2, True, _AOT + ["--use-distributed-optimizer"]),
+    ("gpt2", 1, 2, 2, False, _AOT + ["--pipeline-schedule", "zb-v", "--overlap-grad-reduce",
+                                     "--use-distributed-optimizer"]),
+]
+
 
 def _reference(family):
     result = train(layout_args(family))
@@ -89,6 +101,31 @@ def test_zero_bubble_schedules_train_like_a_single_process():
     refs = {family: _reference(family) for family in FAMILIES}
     results = run_distributed(_sweep, 8, args=(refs, ZB_LAYOUTS), timeout=600)
     assert all(len(r) == len(ZB_LAYOUTS) for r in results)
+
+
+def test_compiled_layers_train_like_a_single_process():
+    refs = {family: _reference(family) for family in FAMILIES}
+    results = run_distributed(_sweep, 8, args=(refs, COMPILE_LAYOUTS), timeout=600)
+    assert all(len(r) == len(COMPILE_LAYOUTS) for r in results)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_layers_with_inductor(family):
+    """Inductor's code for every layer, dropout on: the same losses, norms and weights as eager.
+
+    Dropout draws eager's random numbers under --compile (models/block.py), so the masks agree too."""
+    runs = [train(layout_args(family, extra=extra, dropout=0.1)) for extra in ([], ["--compile"])]
+    (eager, compiled) = runs
+    assert [d["lm loss"] for d in compiled["losses"]] == pytest.approx([d["lm loss"] for d in eager["losses"]],
+                                                                       rel=1e-5, abs=1e-5)
+    assert compiled["grad_norms"] == pytest.approx(eager["grad_norms"], rel=1e-5, abs=1e-5)
+    want = full_weights(eager)
+    for name, got in full_weights(compiled).items():
+        err = (got - want[name]).abs().max().item()
+        assert err <= 2e-5, f"{family} {name} differs from eager by {err:.3g}"
+    model = compiled["model"][0].module
+    assert model.decoder.layers[0]._compiled_call_impl is not None, "--compile did not compile the layers"
+    assert model._compiled_loss is not None, "--compile did not compile the loss"
 
 
 # ---------------------------------------------------------------- checkpoints

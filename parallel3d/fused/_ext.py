@@ -151,8 +151,10 @@ def get_ext() -> ModuleType | None:
 
 
 def use_kernel(*tensors: torch.Tensor | None) -> bool:
-    """True when the fused kernel should run: fusion on, all given tensors on CUDA, extension loaded."""
-    if not _fusion_enabled:
+    """True when the fused kernel should run: fusion on, all given tensors on CUDA, extension loaded,
+    and not inside a region torch.compile traces (there Inductor fuses the PyTorch fallback with its
+    neighbours; the kernel would break the graph)."""
+    if not _fusion_enabled or torch.compiler.is_compiling():
         return False
     present = [t for t in tensors if t is not None]
     if not present or not all(t.is_cuda for t in present):

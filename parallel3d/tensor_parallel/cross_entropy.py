@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .mappings import all_reduce
 from .utils import group_rank_and_size, resolve_tp_group
@@ -127,6 +128,18 @@ class _CrossEntropyOneRank(torch.autograd.Function):
             if vocab_size < ctx.padded else torch.empty(grad.shape, dtype=ctx.logits_dtype, device=grad.device)
         torch.mul(grad, grad_loss.unsqueeze(-1), out=out[..., :vocab_size])  # scale and cast in one pass
         return out, None, None, None
+
+
+def cross_entropy_one_rank_composed(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
+                                    vocab_size: Optional[int] = None) -> torch.Tensor:
+    """The TP = 1 loss of :class:`_CrossEntropyOneRank` as plain PyTorch ops, for torch.compile.
+
+    Inductor fuses it into one reduction forward and one pass backward, and keeps the logits (bf16)
+    for the backward instead of fp32 log-probabilities; eagerly it would be the slow road."""
+    real = logits[..., :vocab_size] if vocab_size is not None and vocab_size < logits.size(-1) else logits
+    loss = F.cross_entropy(real.float().flatten(0, -2), target.flatten(), reduction="none",
+                           label_smoothing=label_smoothing)
+    return loss.view(target.shape)
 
 
 def vocab_parallel_cross_entropy(

@@ -79,6 +79,10 @@ class _ParallelLinear(nn.Module):
     config and the arguments are where it is turned off, with a warning, when TP is 1. A layer built
     directly with one TP rank and ``sequence_parallel=True`` computes the same as without it: a
     sequence shard of one rank is the whole sequence, so its gathers and reduce-scatters are identities.
+
+    Their forward runs eagerly inside a torch.compile'd model (a graph break each side): the TP
+    collectives with their async handles, the weight-gradient GEMM into ``main_grad`` and the
+    zero-bubble W store are side effects Dynamo should not trace; the GEMMs gain nothing from it.
     """
 
     def __init__(self, input_size: int, output_size: int, partition_dim: int, *, bias: bool = True,
@@ -139,6 +143,7 @@ class ColumnParallelLinear(_ParallelLinear):
         # Without SP the input is replicated over TP: its gradient is summed over TP.
         self.allreduce_dgrad = group_rank_and_size(self.tp_group)[1] > 1 and not self.sequence_parallel
 
+    @torch.compiler.disable  # eager: see _ParallelLinear
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
         if weight is None:
             if self.weight is None:
@@ -178,6 +183,7 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(input_size, output_size, 1, **common)
         self.input_is_parallel = input_is_parallel
 
+    @torch.compiler.disable  # eager: see _ParallelLinear
     def forward(self, x: torch.Tensor):
         x_parallel = x if self.input_is_parallel else scatter_to_tensor_model_parallel_region(x, self.tp_group)
         out = linear_with_grad_accumulation_and_async_allreduce(

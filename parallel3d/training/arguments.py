@@ -63,6 +63,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false")
     g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
     g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false")
+    g.add_argument("--compile", action="store_true", help="torch.compile each transformer layer "
+                   "(the tensor-parallel linears stay eager); off by default: BENCHMARKS.md has the measurements")
+    g.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile's backend with --compile (torchtitan's compile.backend)")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -375,6 +379,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _notice("--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off")
     if args.bf16 and args.fp16:
         raise ArgumentError("--bf16 and --fp16 are exclusive")
+    if args.compile:
+        import torch._dynamo  # only here: argument parsing stays light without --compile
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if args.compile_backend not in backends:
+            raise ArgumentError(f"--compile-backend {args.compile_backend!r} is not a torch.compile backend; "
+                                f"use one of {', '.join(backends)} (default inductor)")
     if args.group_query_attention and args.num_query_groups is None:
         raise ArgumentError("--group-query-attention needs --num-query-groups")
     if not args.group_query_attention:
