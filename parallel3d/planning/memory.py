@@ -5,7 +5,7 @@ models): bf16 params (2) + fp32 main_grad buffer (4) + fp32 master (4) + Adam m,
 two divided by DP under the distributed optimizer (ZeRO-1); fp32 training keeps no master.
 Activations per layer and microbatch generalise Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models", Table 2: sbh(34 + 5as/h) without parallelism) to
-GQA and SwiGLU; the number of microbatches held at once comes from the simulated schedule.
+GQA and SwiGLU; which (microbatch, chunk) forwards are held at once comes from the simulated schedule.
 """
 from __future__ import annotations
 
