@@ -5,13 +5,15 @@ models): bf16 params (2) + fp32 main_grad buffer (4) + fp32 master (4) + Adam m,
 two divided by DP under the distributed optimizer (ZeRO-1); fp32 training keeps no master.
 Activations per layer and microbatch generalise Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models", Table 2: sbh(34 + 5as/h) without parallelism) to
-GQA and SwiGLU; the number of microbatches held at once comes from the simulated schedule.
+GQA and SwiGLU; which (microbatch, chunk) forwards are held at once comes from the simulated schedule.
 """
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
+from typing import Optional
 
 from parallel3d.pipeline.layout import layer_partition_from_args
 from parallel3d.pipeline.schedules import virtual_stage
@@ -19,10 +21,15 @@ from parallel3d.pipeline.schedules import virtual_stage
 from .hardware import GIB, ClusterSpec
 from .model import Layout, ModelSpec
 
-# Peak bytes per logit element of one microbatch while the loss runs: the bf16 logits (2), their
-# fp32 copy (4), the shifted logits (4) and their exponentials (4) (parallel3d's vocab-parallel
-# cross-entropy keeps the softmax for the backward).
-LOGIT_BYTES = 14
+# Bytes per logit element of one microbatch (tokens x vocab/TP) while the loss runs
+# (parallel3d.tensor_parallel.cross_entropy, either path): the bf16 logits (2) and two fp32 tensors
+# alive at once (4 + 4): at TP = 1 log_softmax's fp32 copy and its output; at TP > 1 each
+# rebinding of ``logits`` (fp32 copy, masked, shifted) frees the previous one, so at most one of
+# them beside the exponentials; in the backward the saved softmax and its clone.  Of these, the
+# fp32 softmax / log-probabilities (LOGIT_SAVED_BYTES) stay held from the loss's forward to its
+# backward, like the layers' activations.
+LOGIT_BYTES = 10
+LOGIT_SAVED_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -118,17 +125,55 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | No
     return replicated + sharded + scores
 
 
-def memory_breakdown(model: ModelSpec, layout: Layout, rank: int, inflight: int) -> MemoryBreakdown:
-    """Peak bytes of pipeline stage ``rank`` holding ``inflight`` (microbatch, chunk) forwards at once."""
+def chunk_activation_bytes(model: ModelSpec, layout: Layout, rank: int) -> list[float]:
+    """Bytes one microbatch leaves held on rank ``rank`` from each chunk's forward to its backward:
+    the chunk's own layers (not the rank's), plus the loss's saved softmax on the chunk with the output layer."""
+    per_layer = layer_activation_bytes(model, layout, layout.recompute_granularity)
+    return [layers * per_layer + (_logit_elements(model, layout) * LOGIT_SAVED_BYTES if last else 0.0)
+            for layers, _, last in rank_chunks(model, layout, rank)]
+
+
+def _logit_elements(model: ModelSpec, layout: Layout) -> int:
+    return layout.micro_batch_size * model.seq_length * model.vocab(layout.tp) // layout.tp
+
+
+def memory_breakdown(model: ModelSpec, layout: Layout, rank: int, inflight: int,
+                     actions: Optional[Sequence] = None) -> MemoryBreakdown:
+    """Peak bytes of pipeline stage ``rank`` holding ``inflight`` (microbatch, chunk) forwards at once.
+
+    With ``actions`` (the rank's compute actions in the simulated order, each with ``kind`` F/B/W
+    and ``chunk``) the peak is found by walking them: a forward adds its chunk's activations, the
+    backward (W where the schedule splits it) frees them, and the working set of the moment is
+    added (the loss's logits in the last chunk's forward and backward, one layer's activations in
+    any backward).  Without, ``inflight`` forwards of the rank's largest chunk are counted
+    together with the larger working set (an upper bound)."""
     params, grads, optim = static_bytes(model, layout, rank)
     chunks = rank_chunks(model, layout, rank)
-    per_chunk = max(layers for layers, _, _ in chunks) * layer_activation_bytes(model, layout,
-                                                                                 layout.recompute_granularity)
-    activations = inflight * per_chunk
+    held_by = chunk_activation_bytes(model, layout, rank)
     # In backward one layer is live in full (recomputed, or its activation gradients); on the
-    # last stage the loss's logits come first, at a different moment, so the larger one counts.
-    transient = layer_activation_bytes(model, layout, None)
-    if any(last for _, _, last in chunks):
-        tokens = layout.micro_batch_size * model.seq_length
-        transient = max(transient, tokens * model.vocab(layout.tp) // layout.tp * LOGIT_BYTES)
-    return MemoryBreakdown(params, grads, optim, activations, transient, inflight)
+    # last stage the loss's logits (beyond the saved softmax counted as held) in its forward and backward.
+    layer_ws = layer_activation_bytes(model, layout, None)
+    loss_ws = _logit_elements(model, layout) * (LOGIT_BYTES - LOGIT_SAVED_BYTES)
+    if actions is None:
+        transient = max([layer_ws] + [loss_ws for _, _, last in chunks if last])
+        return MemoryBreakdown(params, grads, optim, inflight * max(held_by), transient, inflight)
+    split = any(a.kind == "W" for a in actions)
+    held = 0.0
+    count = most = 0
+    best = (0.0, 0.0, 0.0)  # (activations + working set, activations, working set) at the peak
+    for a in actions:
+        last = chunks[a.chunk][2]
+        if a.kind == "F":
+            held += held_by[a.chunk]
+            count += 1
+            most = max(most, count)
+            work = loss_ws if last else 0.0
+        elif a.kind == "B":
+            work = max(layer_ws, loss_ws if last else 0.0)
+        else:
+            work = 0.0
+        best = max(best, (held + work, held, work))
+        if a.kind == ("W" if split else "B"):
+            held -= held_by[a.chunk]
+            count -= 1
+    return MemoryBreakdown(params, grads, optim, best[1], best[2], most)

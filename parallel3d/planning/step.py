@@ -233,7 +233,8 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec, breakdown: 
     tp_comm = M * sum(c.tp_comm for c in costs[crit])
     pp_comm = timing.makespan - no_comm
     bubble = max(0.0, timing.finish[crit] - pp_comm - timing.busy[crit])
-    memory = [memory_breakdown(model, layout, rank, timing.peak_inflight[rank]) for rank in range(P)]
+    memory = [memory_breakdown(model, layout, rank, timing.peak_inflight[rank], [a for _, _, a in timing.sim.timelines[rank]])
+              for rank in range(P)]
     return StepEstimate(model, layout, cluster, step, compute, tp_comm, pp_comm, bubble, dp_s, opt_s, memory,
                         timing, warnings)
 
