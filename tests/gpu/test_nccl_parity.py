@@ -36,7 +36,8 @@ LAYOUTS = {
         "pp2-zbh1": (1, 2, None, False, ["--pipeline-schedule", "zb-h1"]),
         "pp2-zbv": (1, 2, 2, False, ["--pipeline-schedule", "zb-v", "--overlap-grad-reduce"]),
         "dp2-overlap": (1, 1, None, False, ["--overlap-grad-reduce"]),
-        "dp2-zero1": (1, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"])},
+        "dp2-zero1": (1, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
+        "tp2-sp-compile": (2, 1, None, True, ["--compile"])},  # Inductor's kernels beside the NCCL linears
     4: {"tp2-pp2-v2-sp": (2, 2, 2, True, []),
         "tp2-dp2": (2, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
         "pp2-dp2": (1, 2, None, False, ["--use-distributed-optimizer"]),
