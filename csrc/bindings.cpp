@@ -54,4 +54,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("scale"));
   m.def("scaled_upper_triang_masked_softmax_bwd", &p3d::scaled_upper_triang_masked_softmax_bwd,
         py::arg("dy"), py::arg("y"), py::arg("scale"));
+
+  m.def("cross_entropy_fwd", &p3d::cross_entropy_fwd, py::arg("x"), py::arg("target"), py::arg("vocab"),
+        py::arg("smoothing"));
+  m.def("cross_entropy_bwd", &p3d::cross_entropy_bwd, py::arg("x"), py::arg("target"), py::arg("lse"),
+        py::arg("grad_loss"), py::arg("vocab"), py::arg("smoothing"));
 }

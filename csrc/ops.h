@@ -62,4 +62,11 @@ at::Tensor scaled_upper_triang_masked_softmax_fwd(const at::Tensor& x, double sc
 at::Tensor scaled_upper_triang_masked_softmax_bwd(const at::Tensor& dy, const at::Tensor& y,
                                                   double scale);
 
+// cross_entropy.cu: logits [rows, padded] (the first vocab columns real), target int64 [rows];
+// forward returns {loss, lse} (float32 [rows]); backward returns dlogits in the logits' dtype.
+std::vector<at::Tensor> cross_entropy_fwd(const at::Tensor& x, const at::Tensor& target, int64_t vocab,
+                                          double smoothing);
+at::Tensor cross_entropy_bwd(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse,
+                             const at::Tensor& grad_loss, int64_t vocab, double smoothing);
+
 }  // namespace p3d

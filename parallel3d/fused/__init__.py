@@ -17,6 +17,7 @@ from parallel3d.fused._ext import describe, fusion_enabled, set_fusion_enabled
 from parallel3d.fused.bias_dropout_add import bias_dropout_add
 from parallel3d.fused.bias_gelu import bias_gelu
 from parallel3d.fused.bias_swiglu import bias_swiglu
+from parallel3d.fused.cross_entropy import cross_entropy
 from parallel3d.fused.grad_accum import wgrad_accumulate
 from parallel3d.fused.layer_norm import layer_norm
 from parallel3d.fused.rms_norm import rms_norm
@@ -29,6 +30,7 @@ __all__ = [
     "bias_dropout_add",
     "bias_gelu",
     "bias_swiglu",
+    "cross_entropy",
     "describe",
     "fusion_enabled",
     "layer_norm",

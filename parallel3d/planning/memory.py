@@ -17,19 +17,11 @@ from typing import Optional
 
 from parallel3d.pipeline.layout import layer_partition_from_args
 from parallel3d.pipeline.schedules import virtual_stage
+from parallel3d.tensor_parallel.cross_entropy import loss_memory_per_logit
 
 from .hardware import GIB, ClusterSpec
 from .model import Layout, ModelSpec
 
-# Bytes per logit element of one microbatch (tokens x vocab/TP) while the loss runs
-# (parallel3d.tensor_parallel.cross_entropy, either path): the bf16 logits (2) and two fp32 tensors
-# alive at once (4 + 4): at TP = 1 log_softmax's fp32 copy and its output; at TP > 1 each
-# rebinding of ``logits`` (fp32 copy, masked, shifted) frees the previous one, so at most one of
-# them beside the exponentials; in the backward the saved softmax and its clone.  Of these, the
-# fp32 softmax / log-probabilities (LOGIT_SAVED_BYTES) stay held from the loss's forward to its
-# backward, like the layers' activations.
-LOGIT_BYTES = 10
-LOGIT_SAVED_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -129,7 +121,8 @@ def chunk_activation_bytes(model: ModelSpec, layout: Layout, rank: int) -> list[
     """Bytes one microbatch leaves held on rank ``rank`` from each chunk's forward to its backward:
     the chunk's own layers (not the rank's), plus the loss's saved softmax on the chunk with the output layer."""
     per_layer = layer_activation_bytes(model, layout, layout.recompute_granularity)
-    return [layers * per_layer + (_logit_elements(model, layout) * LOGIT_SAVED_BYTES if last else 0.0)
+    held = loss_memory_per_logit(tensor_parallel=layout.tp > 1)[1]
+    return [layers * per_layer + (_logit_elements(model, layout) * held if last else 0.0)
             for layers, _, last in rank_chunks(model, layout, rank)]
 
 
@@ -153,7 +146,8 @@ def memory_breakdown(model: ModelSpec, layout: Layout, rank: int, inflight: int,
     # In backward one layer is live in full (recomputed, or its activation gradients); on the
     # last stage the loss's logits (beyond the saved softmax counted as held) in its forward and backward.
     layer_ws = layer_activation_bytes(model, layout, None)
-    loss_ws = _logit_elements(model, layout) * (LOGIT_BYTES - LOGIT_SAVED_BYTES)
+    peak, held = loss_memory_per_logit(tensor_parallel=layout.tp > 1)
+    loss_ws = _logit_elements(model, layout) * (peak - held)
     if actions is None:
         transient = max([layer_ws] + [loss_ws for _, _, last in chunks if last])
         return MemoryBreakdown(params, grads, optim, inflight * max(held_by), transient, inflight)

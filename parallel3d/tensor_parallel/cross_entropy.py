@@ -5,10 +5,8 @@ slice and three small all-reduces over [s, b] (max, target logit, sum of exps)
 give the exact loss. Computed in fp32 whatever the logits' dtype.
 
 Without tensor parallelism (one rank holds the whole vocabulary, the 1-GPU and
-pipeline-only case) the loss takes a shorter road: one log_softmax kernel that
-reads the bf16 logits and writes fp32 log-probabilities, instead of about eight
-elementwise passes over fp32 copies. The logits of GPT-1.3B (8192 tokens x 50304)
-are 1.6 GB in fp32, so each pass saved is a read and a write of that.
+pipeline-only case) the loss is ``parallel3d.fused.cross_entropy``: a kernel that
+reads the logits once forward and once backward, or its PyTorch fallback.
 """
 from __future__ import annotations
 
@@ -17,6 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from parallel3d import fused
 
 from .mappings import all_reduce
 from .utils import group_rank_and_size, resolve_tp_group
@@ -30,11 +30,22 @@ def loss_bytes_per_logit(tensor_parallel: bool) -> tuple[float, float]:
     - TP > 1, the vocab-parallel algorithm: 64 and 24, measured whole on H100 (the last pipeline
       stage's forward and backward minus the logits GEMMs, BENCHMARKS.md); about 1.4x / 1.1x the
       bytes its passes count (fp32 copy, mask, max, shift, exp, sum, divide; clone, scale, cast).
-    - TP = 1, one log_softmax: its passes count 22 forward (fp32 copy 6, log_softmax reading three
-      times and writing once 16) and 16 backward (exp in place 8, zero fill 2, scale-and-cast 6);
-      scaled by the same ratios: 30 and 18. Estimated, not yet measured on a GPU.
+    - TP = 1, the fused kernel (the default on CUDA): forward reads each bf16 logit once (2), backward
+      reads it and writes its gradient (4); scaled by the same ratios: 3 and 5. Counted, not yet
+      measured whole. (Its PyTorch fallback, on CPUs or with the kernels off, moves about 30 and 18.)
     """
-    return (64.0, 24.0) if tensor_parallel else (30.0, 18.0)
+    return (64.0, 24.0) if tensor_parallel else (3.0, 5.0)
+
+
+def loss_memory_per_logit(tensor_parallel: bool) -> tuple[float, float]:
+    """Bytes per logit element the loss holds, (at its peak, from its forward to its backward).
+
+    - TP > 1: the bf16 logits (2) and two fp32 tensors alive at once (4 + 4): each rebinding of
+      ``logits`` (fp32 copy, masked, shifted) frees the previous one, so at most one of them beside
+      the exponentials; in the backward the saved softmax and its clone. The fp32 softmax (4) is held.
+    - TP = 1, the fused kernel: the logits it keeps (2, held) and, in the backward, their gradient (2).
+    """
+    return (10.0, 4.0) if tensor_parallel else (4.0, 2.0)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -96,43 +107,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
-class _CrossEntropyOneRank(torch.autograd.Function):
-    """The same loss and gradient when one rank holds every vocabulary column (TP = 1)."""
-
-    @staticmethod
-    def forward(ctx, logits, target, label_smoothing, vocab_size):
-        padded = logits.size(-1)
-        vocab_size = padded if vocab_size is None else vocab_size
-        if not 0 < vocab_size <= padded:
-            raise ValueError(f"vocab_size {vocab_size} must be in 1..{padded} (the padded logits' width)")
-        # Padding columns take no part in the softmax: they are left out, not masked.
-        real = logits[..., :vocab_size] if vocab_size < padded else logits
-        log_probs = torch.log_softmax(real, dim=-1, dtype=torch.float32)
-        loss = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        if label_smoothing > 0.0:
-            loss = (1.0 - label_smoothing) * loss - label_smoothing * log_probs.mean(dim=-1)
-        ctx.save_for_backward(log_probs, target)
-        ctx.label_smoothing, ctx.logits_dtype, ctx.padded = label_smoothing, logits.dtype, padded
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        log_probs, target = ctx.saved_tensors
-        e, vocab_size = ctx.label_smoothing, log_probs.size(-1)
-        grad = log_probs.exp_()  # softmax, in place (a second backward through it raises, not misleads)
-        index = target.unsqueeze(-1)
-        grad.scatter_add_(-1, index, torch.full(index.shape, e - 1.0, dtype=grad.dtype, device=grad.device))
-        if e > 0.0:
-            grad -= e / vocab_size
-        out = torch.zeros(*grad.shape[:-1], ctx.padded, dtype=ctx.logits_dtype, device=grad.device) \
-            if vocab_size < ctx.padded else torch.empty(grad.shape, dtype=ctx.logits_dtype, device=grad.device)
-        torch.mul(grad, grad_loss.unsqueeze(-1), out=out[..., :vocab_size])  # scale and cast in one pass
-        return out, None, None, None
-
-
 def cross_entropy_one_rank_composed(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
                                     vocab_size: Optional[int] = None) -> torch.Tensor:
-    """The TP = 1 loss of :class:`_CrossEntropyOneRank` as plain PyTorch ops, for torch.compile.
+    """The TP = 1 loss (``parallel3d.fused.cross_entropy``) as plain PyTorch ops, for torch.compile.
 
     Inductor fuses it into one reduction forward and one pass backward, and keeps the logits (bf16)
     for the backward instead of fp32 log-probabilities; eagerly it would be the slow road."""
@@ -163,5 +140,5 @@ def vocab_parallel_cross_entropy(
         )
     group = resolve_tp_group(group)
     if group_rank_and_size(group)[1] == 1:
-        return _CrossEntropyOneRank.apply(vocab_parallel_logits, target, label_smoothing, vocab_size)
+        return fused.cross_entropy(vocab_parallel_logits, target, label_smoothing, vocab_size)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, vocab_size, group)
