@@ -113,7 +113,8 @@ class TransformerConfig:
     apply_rope_fusion: bool = True
     normalization_fusion: bool = True  # LayerNorm / RMSNorm through parallel3d.fused
     # torch.compile each transformer layer (--compile): Inductor fuses the elementwise passes and
-    # chooses what backward recomputes; the TP linears stay eager (tensor_parallel/layers.py).
+    # chooses what backward recomputes; the TP linears (tensor_parallel/layers.py) and the loss
+    # (outside the layers; its kernel beat Inductor's, BENCHMARKS.md) stay eager.
     compile_layers: bool = False
     compile_backend: str = "inductor"  # torch.compile's backend ("aot_eager": trace only, for tests)
 

@@ -49,7 +49,6 @@ from parallel3d.tensor_parallel import (
     scatter_to_sequence_parallel_region,
     vocab_parallel_cross_entropy,
 )
-from parallel3d.tensor_parallel.cross_entropy import cross_entropy_one_rank_composed
 from parallel3d.tensor_parallel.utils import group_rank_and_size, resolve_tp_group
 
 from .attention import InferenceParams
@@ -196,9 +195,6 @@ class GPTModel(nn.Module):
                     skip_weight_param_allocation=pre_process and tied,
                     **config.linear_kwargs(self.tp_group),
                 )
-        # --compile, TP = 1: the loss through Inductor too (tensor_parallel/cross_entropy.py says why).
-        self._compiled_loss = torch.compile(cross_entropy_one_rank_composed, backend=config.compile_backend) \
-            if post_process and config.compile_layers and tp == 1 else None
         self._mark_embedding_parameters()
 
     def _mark_embedding_parameters(self) -> None:
@@ -314,10 +310,7 @@ class GPTModel(nn.Module):
         logits, _ = self.output_layer(hidden_states, weight=self.shared_embedding_or_output_weight())  # [s, b, padded_vocab/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        if self._compiled_loss is not None:
-            loss = self._compiled_loss(logits, labels.t(), vocab_size=cfg.vocab_size)
-        else:
-            loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=cfg.vocab_size, group=self.tp_group)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=cfg.vocab_size, group=self.tp_group)
         loss = loss.t().contiguous()  # [b, s]
         if loss_mask is not None:
             loss = loss * loss_mask.to(loss.dtype)

@@ -124,9 +124,11 @@ def test_real_groups_8_processes():
 
 
 def _hang_on_rank1(rank, world_size):
+    import time
+
     import torch
-    if rank == 1:
-        return "skipped the collective"
+    if rank == 1:  # stays alive without joining (a rank that returned would close the connection instead)
+        time.sleep(3600)
     dist.all_reduce(torch.ones(1))  # rank 0 waits for rank 1 forever
     return "unreachable"
 

@@ -14,7 +14,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from parallel3d import fused
 
@@ -31,10 +30,11 @@ def loss_bytes_per_logit(tensor_parallel: bool) -> tuple[float, float]:
       stage's forward and backward minus the logits GEMMs, BENCHMARKS.md); about 1.4x / 1.1x the
       bytes its passes count (fp32 copy, mask, max, shift, exp, sum, divide; clone, scale, cast).
     - TP = 1, the fused kernel (the default on CUDA): forward reads each bf16 logit once (2), backward
-      reads it and writes its gradient (4); scaled by the same ratios: 3 and 5. Counted, not yet
-      measured whole. (Its PyTorch fallback, on CPUs or with the kernels off, moves about 30 and 18.)
+      reads it and writes its gradient (4); measured on H100 (bench/kernels_bench.py, [8192, 50304]
+      and [8192, 128256]): 2.2 and 4.2. (Its PyTorch fallback, on CPUs or with the kernels off, moves
+      about 30 and 18.)
     """
-    return (64.0, 24.0) if tensor_parallel else (3.0, 5.0)
+    return (64.0, 24.0) if tensor_parallel else (2.2, 4.2)
 
 
 def loss_memory_per_logit(tensor_parallel: bool) -> tuple[float, float]:
@@ -105,18 +105,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad -= uniform if valid is None else uniform * valid.to(grad.dtype)
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None
-
-
-def cross_entropy_one_rank_composed(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
-                                    vocab_size: Optional[int] = None) -> torch.Tensor:
-    """The TP = 1 loss (``parallel3d.fused.cross_entropy``) as plain PyTorch ops, for torch.compile.
-
-    Inductor fuses it into one reduction forward and one pass backward, and keeps the logits (bf16)
-    for the backward instead of fp32 log-probabilities; eagerly it would be the slow road."""
-    real = logits[..., :vocab_size] if vocab_size is not None and vocab_size < logits.size(-1) else logits
-    loss = F.cross_entropy(real.float().flatten(0, -2), target.flatten(), reduction="none",
-                           label_smoothing=label_smoothing)
-    return loss.view(target.shape)
 
 
 def vocab_parallel_cross_entropy(
