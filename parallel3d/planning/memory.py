@@ -138,8 +138,9 @@ def memory_breakdown(model: ModelSpec, layout: Layout, rank: int, inflight: int,
     and ``chunk``) the peak is found by walking them: a forward adds its chunk's activations, the
     backward (W where the schedule splits it) frees them, and the working set of the moment is
     added (the loss's logits in the last chunk's forward and backward, one layer's activations in
-    any backward).  Without, ``inflight`` forwards of the rank's largest chunk are counted
-    together with the larger working set (an upper bound)."""
+    any backward).  Without, a lower bound, what the search prunes with (a layout whose lower bound
+    does not fit cannot fit): ``inflight`` forwards of the rank's smallest chunk, and one layer's
+    working set (the backward that follows them)."""
     params, grads, optim = static_bytes(model, layout, rank)
     chunks = rank_chunks(model, layout, rank)
     held_by = chunk_activation_bytes(model, layout, rank)
@@ -149,8 +150,7 @@ def memory_breakdown(model: ModelSpec, layout: Layout, rank: int, inflight: int,
     peak, held = loss_memory_per_logit(tensor_parallel=layout.tp > 1)
     loss_ws = _logit_elements(model, layout) * (peak - held)
     if actions is None:
-        transient = max([layer_ws] + [loss_ws for _, _, last in chunks if last])
-        return MemoryBreakdown(params, grads, optim, inflight * max(held_by), transient, inflight)
+        return MemoryBreakdown(params, grads, optim, inflight * min(held_by), layer_ws, inflight)
     split = any(a.kind == "W" for a in actions)
     held = 0.0
     count = most = 0
