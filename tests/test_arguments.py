@@ -122,6 +122,8 @@ BAD = [
      r"got num_microbatches=1 < num_stages=2"),
     (["--pipeline-model-parallel-size", "1", "--virtual-pipeline-model-parallel-size", "2"], 1,
      r"--virtual-pipeline-model-parallel-size=2 needs --pipeline-model-parallel-size > 1"),
+    (["--compile", "--compile-backend", "nope"], 1,
+     r"--compile-backend 'nope' is not a torch.compile backend; use one of .*inductor"),
 ]
 
 
@@ -152,6 +154,7 @@ GOOD = [
     ["--split", "1"],
     ["--split", "0.9, 0.1"],
     ["--distributed-timeout-minutes", "0.05"],
+    ["--compile", "--compile-backend", "aot_eager"],
 ]
 
 

@@ -382,10 +382,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.compile:
         import torch._dynamo  # only here: argument parsing stays light without --compile
 
-        backends = torch._dynamo.list_backends(exclude_tags=())
-        if args.compile_backend not in backends:
-            raise ArgumentError(f"--compile-backend {args.compile_backend!r} is not a torch.compile backend; "
-                                f"use one of {', '.join(backends)} (default inductor)")
+        if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ArgumentError(f"--compile-backend {args.compile_backend!r} is not a torch.compile backend; use "
+                                f"one of {', '.join(torch._dynamo.list_backends())} (default inductor)")
     if args.group_query_attention and args.num_query_groups is None:
         raise ArgumentError("--group-query-attention needs --num-query-groups")
     if not args.group_query_attention:
