@@ -119,7 +119,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | No
 
 def chunk_activation_bytes(model: ModelSpec, layout: Layout, rank: int) -> list[float]:
     """Bytes one microbatch leaves held on rank ``rank`` from each chunk's forward to its backward:
-    the chunk's own layers (not the rank's), plus the loss's saved softmax on the chunk with the output layer."""
+    the chunk's own layers (not the rank's), plus what the loss keeps on the chunk with the output layer."""
     per_layer = layer_activation_bytes(model, layout, layout.recompute_granularity)
     held = loss_memory_per_logit(tensor_parallel=layout.tp > 1)[1]
     return [layers * per_layer + (_logit_elements(model, layout) * held if last else 0.0)
@@ -145,10 +145,10 @@ def memory_breakdown(model: ModelSpec, layout: Layout, rank: int, inflight: int,
     chunks = rank_chunks(model, layout, rank)
     held_by = chunk_activation_bytes(model, layout, rank)
     # In backward one layer is live in full (recomputed, or its activation gradients); on the
-    # last stage the loss's logits (beyond the saved softmax counted as held) in its forward and backward.
+    # last stage the loss's peak beyond what it keeps (counted as held) in its forward and backward.
     layer_ws = layer_activation_bytes(model, layout, None)
-    peak, held = loss_memory_per_logit(tensor_parallel=layout.tp > 1)
-    loss_ws = _logit_elements(model, layout) * (peak - held)
+    loss_peak, loss_kept = loss_memory_per_logit(tensor_parallel=layout.tp > 1)
+    loss_ws = _logit_elements(model, layout) * (loss_peak - loss_kept)
     if actions is None:
         return MemoryBreakdown(params, grads, optim, inflight * min(held_by), layer_ws, inflight)
     split = any(a.kind == "W" for a in actions)

@@ -123,9 +123,7 @@ def _run(name: str, P: int, M: int, V: int, costs: StageTimes, comm: float, shap
     schedule = _schedule(name, P, M, V, shape)
     if not schedule.splits_backward:
         costs = [[(times[0], sum(times[1:])) for times in row] for row in costs]
-    # Sends do not hold up their sender (the zero-bubble paper's model): what the executor measures
-    # (bench/layouts_bench.py, 4 x H100 PP=4: ZB-H2's step 0.732 s against 0.728 s simulated so,
-    # 0.994 s with blocking sends; the other schedules time the same either way).
+    # The simulator's default, sends that do not hold up their sender, is what the executor measures.
     return simulate(schedule, comm_time=comm, stage_costs=costs)
 
 
@@ -233,8 +231,8 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec, breakdown: 
     tp_comm = M * sum(c.tp_comm for c in costs[crit])
     pp_comm = timing.makespan - no_comm
     bubble = max(0.0, timing.finish[crit] - pp_comm - timing.busy[crit])
-    memory = [memory_breakdown(model, layout, rank, timing.peak_inflight[rank], [a for _, _, a in timing.sim.timelines[rank]])
-              for rank in range(P)]
+    memory = [memory_breakdown(model, layout, rank, timing.peak_inflight[rank],
+                               [a for _, _, a in timing.sim.timelines[rank]]) for rank in range(P)]
     return StepEstimate(model, layout, cluster, step, compute, tp_comm, pp_comm, bubble, dp_s, opt_s, memory,
                         timing, warnings)
 
