@@ -6,7 +6,9 @@ From the profiler's kernel list (``torch.profiler`` with CUDA activity) of one r
   can exceed the span);
 - ``comm_exposed_ms``: communication time during which no compute kernel ran (what overlap should hide);
 - ``idle_ms``: the part of the span (first kernel start to last kernel end) with no kernel at all (host
-  overhead, launch gaps, waits).
+  overhead, launch gaps, waits);
+- ``top_other_ms``: the ``other`` kernels with the most time, by name, to say which of them two runs
+  differ in (GEMMs and attention are the same cuBLAS and flash kernels in ours and the peers').
 """
 from __future__ import annotations
 
@@ -74,4 +76,15 @@ def kernel_breakdown(prof) -> dict:
             "comm_exposed_ms": (_length(comm) - beside) * us, "idle_ms": (span - busy) * us, "span_ms": span * us,
             "nccl_kernel_us": _length(comm), "nccl_beside_compute_us": beside,
             "nccl_overlap_fraction": beside / _length(comm) if comm else None,
-            "nccl_kernels": sum(1 for c, _, _ in kernels if c == "comm")}
+            "nccl_kernels": sum(1 for c, _, _ in kernels if c == "comm"),
+            "top_other_ms": _top(prof, "other", 12)}
+
+
+def _top(prof, cls: str, n: int) -> dict[str, float]:
+    """The ``n`` kernel names of class ``cls`` with the most summed time (ms), names cut to 90 characters."""
+    by_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and kernel_class(e.name) == cls:
+            key = e.name[:90]
+            by_name[key] = by_name.get(key, 0.0) + (e.time_range.end - e.time_range.start) * 1e-3
+    return {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:n]}

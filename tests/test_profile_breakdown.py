@@ -42,4 +42,5 @@ def test_breakdown_counts_exposed_communication_and_idle():
     assert r["comm_exposed_ms"] == pytest.approx(0.5)
     assert r["idle_ms"] == pytest.approx(0.5)
     assert r["nccl_overlap_fraction"] == pytest.approx(0.5)
+    assert r["top_other_ms"] == {"elementwise": pytest.approx(0.6)}
     assert kernel_breakdown(SimpleNamespace(events=lambda: [cpu_op])) == {}
