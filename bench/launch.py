@@ -1,6 +1,7 @@
 """Run one benchmark configuration under torchrun and return its RESULT_JSON (shared by the bench drivers)."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -19,6 +20,10 @@ def _anchor(name: str) -> Optional[str]:
 
 MEGATRON = _anchor("megatron_gpt_bench.py")
 PLAIN = _anchor("plain_gpt_bench.py")  # the model written by hand in plain PyTorch (eager or torch.compile)
+# torchtitan's own Trainer (bench/torchtitan_bench.py); it needs its wheels in .whl/titan/
+TITAN_WHEELS = os.path.join(ROOT, ".whl", "titan")
+TITAN = (os.path.join(ROOT, "bench", "torchtitan_bench.py")
+         if glob.glob(os.path.join(TITAN_WHEELS, "torchtitan-*.whl")) else None)
 
 
 def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: str,

@@ -1,5 +1,6 @@
-"""One GPU, one preset: Megatron-Core and plain PyTorch (eager and torch.compile) against parallel3d
-with and without the fused kernels, and with --compile (each layer through torch.compile).
+"""One GPU, one preset: Megatron-Core, plain PyTorch (eager and torch.compile) and, for the llama
+presets, torchtitan (its Trainer, torch.compile) against parallel3d with and without the fused kernels,
+and with --compile (each layer through torch.compile).
 
     python3 bench/single_gpu_bench.py [--preset llama-1b] [--out DIR]
 
@@ -14,7 +15,7 @@ import argparse
 import json
 import os
 
-from launch import MEGATRON, OURS, PLAIN, iteration_time, run, tokens_per_gpu
+from launch import MEGATRON, OURS, PLAIN, TITAN, TITAN_WHEELS, iteration_time, run, tokens_per_gpu
 
 
 def main() -> None:
@@ -32,6 +33,13 @@ def main() -> None:
         "megatron": run(f"megatron_{a.preset}", 1, MEGATRON, common, logs),
         "plain PyTorch eager": run(f"plain_{a.preset}", 1, PLAIN, plain, logs),
         "plain PyTorch + torch.compile": run(f"plain_{a.preset}_compile", 1, PLAIN, plain + ["--compile"], logs),
+    }
+    if a.preset.startswith("llama"):  # torchtitan's model is Llama-3 only (bench/titan_spec.py)
+        if TITAN is None:
+            print(f"torchtitan: no wheels in {TITAN_WHEELS} (tools/fetch_titan_wheels.sh), skipped", flush=True)
+        r["torchtitan + torch.compile"] = run(f"titan_{a.preset}_compile", 1, TITAN, ["--preset", a.preset] + steps,
+                                              logs) if TITAN else None
+    r |= {
         "parallel3d fused": run(f"p3d_{a.preset}_fused", 1, OURS, common, logs),
         "parallel3d fused, --compile": run(f"p3d_{a.preset}_compile", 1, OURS, common + ["--compile"], logs),
     }
