@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import pretrain_gpt  # noqa: E402
-from profile_breakdown import kernel_breakdown  # noqa: E402
+from profile_breakdown import kernel_breakdown, write_op_table  # noqa: E402
 
 from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
@@ -86,6 +86,8 @@ def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace,
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--schedule-timing", action="store_true")
     p.add_argument("--profile-overlap", action="store_true")
+    p.add_argument("--profile-table", default=None, help="with --profile-overlap: write the operators' GPU-time "
+                   "table (by input shapes) to this file")
     p.add_argument("--fp32", action="store_true", help="fp32 instead of bf16 (CPU smoke runs)")
     p.add_argument("--json-out", default=None)
     bench, rest = p.parse_known_args(argv)
@@ -204,10 +206,12 @@ def main(argv=None) -> None:
     if bench.profile_overlap:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=bool(bench.profile_table)) as prof:
             train_step(forward_step, iterators, model, optimizer, scheduler, training_config, schedule=bench.schedule)
             sync()
         result.update(kernel_breakdown(prof))
+        if bench.profile_table and dist.get_rank() == dist.get_world_size() - 1:
+            write_op_table(prof, bench.profile_table)
 
     if dist.get_rank() == dist.get_world_size() - 1:
         print("RESULT_JSON: " + json.dumps(result), flush=True)

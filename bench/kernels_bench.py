@@ -75,6 +75,10 @@ def eager_bias_gelu(x, b):
     return F.gelu(x + b, approximate="tanh")
 
 
+def eager_bias_gelu_erf(x, b):
+    return F.gelu(x + b)
+
+
 def eager_swiglu(x):
     a, g = torch.chunk(x, 2, dim=-1)
     return F.silu(a) * g
@@ -212,6 +216,10 @@ def cases(quick: bool, tiny: bool):
         out.append(Case("bias_gelu (tanh)", f"[{tokens}, {ffn}]", 2 * n * ESZ, 3 * n * ESZ,
                         {"ours": lambda x, b: fused.bias_gelu(x, b, "tanh"), "eager": eager_bias_gelu,
                          "compile": compiled(eager_bias_gelu)},
+                        lambda ffn=ffn: [rn(tokens, ffn), rn(ffn)], [0, 1]))
+        out.append(Case("bias_gelu (erf)", f"[{tokens}, {ffn}]", 2 * n * ESZ, 3 * n * ESZ,
+                        {"ours": lambda x, b: fused.bias_gelu(x, b, "none"), "eager": eager_bias_gelu_erf,
+                         "compile": compiled(eager_bias_gelu_erf)},
                         lambda ffn=ffn: [rn(tokens, ffn), rn(ffn)], [0, 1]))
 
     for f in ((96 if tiny else 11008,) if quick else (11008, 14336)):

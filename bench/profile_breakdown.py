@@ -56,11 +56,17 @@ def _overlap(a: list[list[float]], b: list[list[float]]) -> float:
     return total
 
 
+def _kernels(prof) -> list:
+    """The profile's GPU kernels. Not its GPU-side annotations (``record_function`` ranges such as
+    torch's "Optimizer.step#AdamW.step"): they span kernels already counted, and the gaps between them."""
+    return [e for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+
+
 def kernel_breakdown(prof) -> dict:
     """The breakdown (milliseconds) of the profiled kernels; also the DP-overlap figures
     ``nccl_overlap_fraction`` etc. (share of communication that ran beside compute)."""
-    kernels = [(kernel_class(e.name), e.time_range.start, e.time_range.end)
-               for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [(kernel_class(e.name), e.time_range.start, e.time_range.end) for e in _kernels(prof)]
     if not kernels:
         return {}
     sums = {c: 0.0 for c in ("gemm", "attention", "other", "comm")}
@@ -83,8 +89,17 @@ def kernel_breakdown(prof) -> dict:
 def _top(prof, cls: str, n: int) -> dict[str, float]:
     """The ``n`` kernel names of class ``cls`` with the most summed time (ms), names cut to 90 characters."""
     by_name: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and kernel_class(e.name) == cls:
+    for e in _kernels(prof):
+        if kernel_class(e.name) == cls:
             key = e.name[:90]
             by_name[key] = by_name.get(key, 0.0) + (e.time_range.end - e.time_range.start) * 1e-3
     return {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:n]}
+
+
+def write_op_table(prof, path: str, rows: int = 45) -> None:
+    """The operators with the most GPU time, by name and input shapes (torch's key_averages table), to
+    ``path``: which call of the model launched a kernel that ``top_other_ms`` names."""
+    table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=rows,
+                                                                max_name_column_width=60, max_shapes_column_width=70)
+    with open(path, "w") as f:
+        f.write(table)

@@ -1,6 +1,6 @@
 """Profile the last training iteration of a peer's runner (the plain PyTorch anchor) without editing it.
 
-    torchrun --standalone --nproc-per-node 1 bench/profile_peer.py ../shared/anchors/plain_gpt_bench.py \\
+    torchrun --standalone --nproc-per-node 1 bench/profile_peer.py [--table=FILE] ../shared/anchors/plain_gpt_bench.py \\
         --preset gpt-1.3b --grad-accum 4 --compile --iters 1 --warmup 2
 
 The runner calls its optimizer's ``step()`` once per iteration. This wraps ``torch.optim.Optimizer``'s
@@ -21,10 +21,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_breakdown import kernel_breakdown  # noqa: E402
+from profile_breakdown import kernel_breakdown, write_op_table  # noqa: E402
 
 
 def main() -> None:
+    table = None
+    if sys.argv[1].startswith("--table="):  # the operators' table (profile_breakdown.write_op_table) to a file
+        table = sys.argv.pop(1).split("=", 1)[1]
     script, argv = sys.argv[1], sys.argv[2:]
     counts = argparse.ArgumentParser(add_help=False)
     counts.add_argument("--iters", type=int, required=True)
@@ -37,13 +40,16 @@ def main() -> None:
             out = step(self, *args, **kwargs)
             state["steps"] += 1
             if state["steps"] == n - 1:
-                state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]).__enter__()
+                state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                        record_shapes=table is not None).__enter__()
             elif state["steps"] == n and state["prof"] is not None:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
                 state["prof"].__exit__(None, None, None)
                 if int(os.environ.get("RANK", "0")) == 0:
                     print("PROFILE_JSON: " + json.dumps(kernel_breakdown(state["prof"])), flush=True)
+                    if table:
+                        write_op_table(state["prof"], table)
             return out
         return profiled_step
 

@@ -11,8 +11,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from profile_breakdown import kernel_breakdown, kernel_class  # noqa: E402
 
 
-def _kernel(name, start, end):
-    return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
+def _kernel(name, start, end, annotation=False):
+    return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA, is_user_annotation=annotation,
                            time_range=SimpleNamespace(start=start, end=end))
 
 
@@ -34,6 +34,7 @@ def test_breakdown_counts_exposed_communication_and_idle():
         _kernel("flash_fwd", 2000, 2500),        # idle 1.5-2.0
         _kernel("elementwise", 2400, 3000),
         cpu_op,                                  # CPU events are not kernels
+        _kernel("Optimizer.step#AdamW.step", 0, 3000, annotation=True),  # nor GPU-side annotation ranges
     ])
     r = kernel_breakdown(prof)
     assert r["gemm_ms"] == pytest.approx(1.0) and r["attention_ms"] == pytest.approx(0.5)

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
 from . import wgrad_store
@@ -73,10 +74,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.sequence_parallel = sequence_parallel
         ctx.group = group
         total_x = gather_along_first_dim(x, group) if sequence_parallel else x
-        out = torch.matmul(total_x, weight.t())
-        if bias is not None:
-            out = out + bias
-        return out
+        # F.linear, not matmul then "+ bias": cuBLAS adds the bias in the GEMM's epilogue. The separate
+        # broadcast add was a 13 ms kernel of a GPT-1.3B step on one H100 (the QKV bias, 2.4%).
+        return F.linear(total_x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
