@@ -5,7 +5,7 @@
 #   LAYOUTS="1gpu pp4-1f1b pp4-zb-h2" bash bench/run_gpu_benches.sh layouts   (bench/layouts_bench.py)
 # PARALLEL3D_JIT=1 (set here) builds csrc/ once into ~/.cache; the GPT runs then use the kernels.
 # Needs .whl/ with the megatron-core wheel and the anchor scripts (see ../shared/anchors/README.md), and
-# .whl/titan/ for the torchtitan row of "single" (tools/fetch_titan_wheels.sh).
+# .whl/titan/ for the torchtitan row of "single" (bench/fetch_titan_wheels.sh).
 set -u
 export OUT=${OUT:-/tmp/bench_out} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PARALLEL3D_JIT=${PARALLEL3D_JIT:-1}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}

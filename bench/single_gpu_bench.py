@@ -36,7 +36,7 @@ def main() -> None:
     }
     if a.preset.startswith("llama"):  # torchtitan's model is Llama-3 only (bench/titan_spec.py)
         if TITAN is None:
-            print(f"torchtitan: no wheels in {TITAN_WHEELS} (tools/fetch_titan_wheels.sh), skipped", flush=True)
+            print(f"torchtitan: no wheels in {TITAN_WHEELS} (bench/fetch_titan_wheels.sh), skipped", flush=True)
         r["torchtitan + torch.compile"] = run(f"titan_{a.preset}_compile", 1, TITAN, ["--preset", a.preset] + steps,
                                               logs) if TITAN else None
     r |= {

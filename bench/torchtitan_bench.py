@@ -102,7 +102,7 @@ def ensure_torchtitan(site: str) -> None:
         if os.path.isdir(path) and path not in sys.path:
             sys.path.insert(0, path)
     if importlib.util.find_spec("torchtitan") is None:  # found, not imported: --cpu-smoke's shim comes first
-        sys.exit(f"torchtitan not found; put its wheels in {WHEELS} (see tools/fetch_titan_wheels.sh)")
+        sys.exit(f"torchtitan not found; put its wheels in {WHEELS} (see bench/fetch_titan_wheels.sh)")
 
 
 def write_toml(a: argparse.Namespace, seq_len: int, micro_batch: int, path: str) -> None:
