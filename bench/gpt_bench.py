@@ -206,7 +206,8 @@ def main(argv=None) -> None:
     if bench.profile_overlap:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=bool(bench.profile_table)) as prof:
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities, record_shapes=bool(bench.profile_table)) as prof:
             train_step(forward_step, iterators, model, optimizer, scheduler, training_config, schedule=bench.schedule)
             sync()
         result.update(kernel_breakdown(prof))

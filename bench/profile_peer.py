@@ -1,7 +1,7 @@
 """Profile the last training iteration of a peer's runner (the plain PyTorch anchor) without editing it.
 
-    torchrun --standalone --nproc-per-node 1 bench/profile_peer.py [--table=FILE] ../shared/anchors/plain_gpt_bench.py \\
-        --preset gpt-1.3b --grad-accum 4 --compile --iters 1 --warmup 2
+    torchrun --standalone --nproc-per-node 1 bench/profile_peer.py [--table=FILE] \\
+        ../shared/anchors/plain_gpt_bench.py --preset gpt-1.3b --grad-accum 4 --compile --iters 1 --warmup 2
 
 The runner calls its optimizer's ``step()`` once per iteration. This wraps ``torch.optim.Optimizer``'s
 subclasses' ``step`` so that the profiler starts after the next-to-last step and stops after the last
