@@ -26,6 +26,8 @@ from torchtitan.config import JobConfig
 from torchtitan.models.llama3 import TransformerModelArgs, get_train_spec
 from torchtitan.protocols.train_spec import register_train_spec
 
+from parallel3d.planning.model import ModelSpec
+
 SPEC_NAME = "llama3_bench"
 
 # name -> (model args, seq_len, micro-batch). Shapes as plain_gpt_bench.py's presets of the same name.
@@ -49,13 +51,14 @@ def ffn_hidden(args: TransformerModelArgs) -> int:
     return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
 
 
-def expected_params(args: TransformerModelArgs) -> int:
-    """Parameter count by formula (untied embedding and output, no biases), to check the built model."""
-    d, hd = args.dim, args.dim // args.n_heads
-    kv = (args.n_kv_heads or args.n_heads) * hd
-    attn = d * d + 2 * d * kv + d * d
-    layer = attn + 3 * d * ffn_hidden(args) + 2 * d
-    return args.n_layers * layer + 2 * args.vocab_size * d + d
+def model_spec(args: TransformerModelArgs, seq_len: int) -> ModelSpec:
+    """The same model in parallel3d's planning terms, so its parameter count and FLOPs formula (one place
+    each, parallel3d.planning.model) check and score torchtitan's run: untied, no biases, RMSNorm, RoPE."""
+    return ModelSpec(num_layers=args.n_layers, hidden_size=args.dim, num_attention_heads=args.n_heads,
+                     seq_length=seq_len, vocab_size=args.vocab_size, num_query_groups=args.n_kv_heads,
+                     ffn_hidden_size=ffn_hidden(args), swiglu=True, add_bias_linear=False, normalization="RMSNorm",
+                     position_embedding_type="rope", untie_embeddings_and_output_weights=True,
+                     padded_vocab_size=args.vocab_size)  # torchtitan does not pad the vocabulary
 
 
 class RandomTokens(IterableDataset):

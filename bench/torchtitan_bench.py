@@ -101,6 +101,8 @@ def ensure_torchtitan(site: str) -> None:
     for path in (STUBS, site):  # site ends up first
         if os.path.isdir(path) and path not in sys.path:
             sys.path.insert(0, path)
+    if ROOT not in sys.path:  # parallel3d (titan_spec takes its model formulas), after the carried wheels
+        sys.path.append(ROOT)
     if importlib.util.find_spec("torchtitan") is None:  # found, not imported: --cpu-smoke's shim comes first
         sys.exit(f"torchtitan not found; put its wheels in {WHEELS} (see bench/fetch_titan_wheels.sh)")
 
@@ -187,13 +189,6 @@ def cpu_device_shim() -> None:
         tu._get_available_device_type, tu._get_device_module = saved
 
 
-def flops_megatron(L: int, h: int, heads: int, kv_heads: int, ffn: int, V: int, B: int, s: int) -> float:
-    """plain_gpt_bench.py's Megatron formula (causal attention counted as half), SwiGLU."""
-    d = h // heads
-    q, k = heads * d, kv_heads * d
-    return 6 * B * s * (L * (h * (q + 2 * k) + q * h + 3 * h * ffn) + h * V) + 6 * B * s * s * L * q
-
-
 def main(argv: Optional[list[str]] = None) -> None:
     a = parse_args(argv)
     ensure_torchtitan(a.site)
@@ -216,6 +211,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     import torch
     import torchtitan
     import torchtitan.train as tt
+
+    from parallel3d.planning.model import model_flops
 
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
@@ -267,10 +264,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             world = int(os.environ.get("WORLD_SIZE", "1"))
             mean_t, med_t = statistics.fmean(times), statistics.median(times)
             gbs = cfg.training.global_batch_size
-            ffn = titan_spec.ffn_hidden(args)
-            kv = args.n_kv_heads or args.n_heads
+            spec = titan_spec.model_spec(args, seq_len)
+            ffn, kv = spec.ffn, spec.query_groups
             n_params = sum(p.numel() for m in self.model_parts for p in m.parameters())
-            flops = flops_megatron(args.n_layers, args.dim, args.n_heads, kv, ffn, args.vocab_size, gbs, seq_len)
+            flops = model_flops(spec, gbs)
             name = torch.cuda.get_device_name() if cuda else "cpu"
             RESULT.update(
                 framework="torchtitan", torchtitan_version=torchtitan.__version__, torch_version=torch.__version__,
@@ -280,7 +277,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 if not self.parallel_dims.fsdp_enabled else "FSDP2 MixedPrecisionPolicy bf16",
                 attention=args.attn_type, num_layers=args.n_layers, hidden_size=args.dim,
                 num_attention_heads=args.n_heads, num_query_groups=kv, ffn_hidden_size=ffn, seq_length=seq_len,
-                vocab_size=args.vocab_size, params_total=n_params, params_expected=titan_spec.expected_params(args),
+                vocab_size=args.vocab_size, params_total=n_params, params_expected=spec.total_params(),
                 micro_batch_size=cfg.training.local_batch_size, grad_accum=self.gradient_accumulation_steps,
                 global_batch_size=gbs, warmup=a.warmup, iters=len(times), step_times_s=self.step_times,
                 iteration_time_s=mean_t, iter_time_mean_s=mean_t, iter_time_median_s=med_t,
