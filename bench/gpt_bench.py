@@ -15,7 +15,10 @@ Extras:
   prediction from those per-stage times (the pipeline benchmark);
 - ``--profile-overlap``: profile one iteration and report where the last rank's GPU time went
   (bench/profile_breakdown.py: GEMM, attention, other, communication and how much of it ran beside
-  compute, idle).
+  compute, idle); with ``--trace-out``, also collective by collective (bench/collective_profile.py);
+- ``--stub-tp-comm``: a diagnosis, not a training run: every collective is replaced by a local copy of
+  the right shape (numbers are wrong), so a TP-only step times its compute without communication, the
+  ceiling that hiding the communication could reach.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import pretrain_gpt  # noqa: E402
+from collective_profile import collective_table  # noqa: E402
 from profile_breakdown import kernel_breakdown, write_op_table  # noqa: E402
 
 from parallel3d import fused, parallel_state  # noqa: E402
@@ -88,6 +92,10 @@ def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace,
     p.add_argument("--profile-overlap", action="store_true")
     p.add_argument("--profile-table", default=None, help="with --profile-overlap: write the operators' GPU-time "
                    "table (by input shapes) to this file")
+    p.add_argument("--trace-out", default=None, help="with --profile-overlap: export the last rank's chrome trace "
+                   "here and add the per-collective table (bench/collective_profile.py) to the result")
+    p.add_argument("--stub-tp-comm", action="store_true", help="replace every collective by a local copy "
+                   "(TP-only layouts; timing diagnosis, wrong numbers)")
     p.add_argument("--fp32", action="store_true", help="fp32 instead of bf16 (CPU smoke runs)")
     p.add_argument("--json-out", default=None)
     bench, rest = p.parse_known_args(argv)
@@ -113,6 +121,32 @@ def synthetic_iterator(args: argparse.Namespace):
         yield {"tokens": t[:, :-1], "labels": t[:, 1:], "loss_mask": mask, "position_ids": positions}
 
 
+def stub_collectives() -> None:
+    """Every collective becomes a local copy of the right shape: the step's compute without its communication.
+    Only for a layout whose every collective is TP (no DP or PP traffic)."""
+    class Done:
+        def wait(self):
+            return True
+
+    def gather(output, input, group=None, async_op=False):
+        for piece in output.chunk(dist.get_world_size(group)):
+            piece.copy_(input.reshape(piece.shape))
+        return Done() if async_op else None
+
+    def scatter(output, input, op=None, group=None, async_op=False):
+        output.copy_(input.chunk(dist.get_world_size(group))[0].reshape(output.shape))
+        return Done() if async_op else None
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return Done() if async_op else None
+
+    for name in ("all_gather_into_tensor", "all_gather_single"):
+        setattr(dist, name, gather)
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        setattr(dist, name, scatter)
+    dist.all_reduce = all_reduce
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -122,6 +156,10 @@ def main(argv=None) -> None:
     bench, args = bench_args(argv)
     training_config = TrainingConfig.from_args(args)
     initialize_distributed(training_config)
+    if bench.stub_tp_comm:
+        if args.pipeline_model_parallel_size > 1 or args.data_parallel_size > 1:
+            raise SystemExit("--stub-tp-comm: only for TP-only layouts (PP and DP traffic must stay real)")
+        stub_collectives()
     fused_kernels = fused.describe()
     config = pretrain_gpt.transformer_config_from_args(args)
     partition = pretrain_gpt.layer_partition(args, config)
@@ -213,6 +251,10 @@ def main(argv=None) -> None:
         result.update(kernel_breakdown(prof))
         if bench.profile_table and dist.get_rank() == dist.get_world_size() - 1:
             write_op_table(prof, bench.profile_table)
+        if bench.trace_out and dist.get_rank() == dist.get_world_size() - 1:
+            prof.export_chrome_trace(bench.trace_out)
+            with open(bench.trace_out) as f:
+                result["collective_profile"] = collective_table(json.load(f))
 
     if dist.get_rank() == dist.get_world_size() - 1:
         print("RESULT_JSON: " + json.dumps(result), flush=True)

@@ -22,9 +22,6 @@ REFUSED: dict[str, str] = {
     "--overlap-param-gather": "the distributed optimizer all-gathers parameters right after its step; "
                               "--overlap-grad-reduce overlaps the gradient reduction with backward",
     "--use-torch-fsdp2": "FSDP is not implemented; --use-distributed-optimizer shards the optimizer state (ZeRO-1)",
-    "--tp-comm-overlap": "not implemented: pipelining the sequence-parallel all-gather / reduce-scatter against "
-                         "the GEMMs measured slower here (BENCHMARKS.md); use --sequence-parallel, whose backward "
-                         "already overlaps its collectives with the GEMMs",
     "--fp8-format": "FP8 is not implemented; use --bf16",
     "--ckpt-format": "parallel3d has one checkpoint format (a safetensors file per TP/PP rank, Megatron's directory "
                      "names); omit the flag. tools/convert_checkpoint.py converts to and from Hugging Face",

@@ -1,0 +1,91 @@
+"""The link's limit for tensor parallelism: all-gather, reduce-scatter and all-reduce at the sizes TP uses.
+
+    torchrun --standalone --nproc-per-node 2 bench/nccl_bench.py [--sizes-mib 4 8 16 32 64] [--json-out F]
+
+Each collective is timed alone (CUDA events, median of --iters after --warmup) and again while a bf16
+GEMM runs on another stream of the same GPU ("beside a GEMM"): what a collective overlapped with compute
+gets. Bus bandwidth as nccl-tests defines it, from the per-rank size S (the all-gather's output, the
+reduce-scatter's input, the all-reduce's buffer) on n ranks: all-gather and reduce-scatter S (n-1)/n / t,
+all-reduce 2 S (n-1)/n / t. BENCHMARKS.md prints these beside every TP figure as the physical column.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from parallel3d.collectives import all_gather_into_tensor, reduce_scatter_tensor  # noqa: E402
+
+
+def _time(fn, iters: int, warmup: int, beside=None) -> float:
+    """Median milliseconds of ``fn`` (on the current stream); ``beside`` runs on another stream meanwhile."""
+    side = torch.cuda.Stream()
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if beside is not None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                beside()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes-mib", type=float, nargs="+", default=[4, 8, 16, 32, 64])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args()
+    dist.init_process_group("nccl")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    gemm_a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def gemm():  # a few ms of tensor-core work, longer than any collective timed here
+        for _ in range(4):
+            gemm_a @ gemm_a
+
+    rows = []
+    for mib in a.sizes_mib:
+        numel = int(mib * 2 ** 20) // 2 // n * n  # bf16 elements of S, divisible by n
+        full = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+        shard = torch.randn(numel // n, device="cuda", dtype=torch.bfloat16)
+        ops = {
+            "all_gather": (lambda: all_gather_into_tensor(full, shard), 1.0),
+            "reduce_scatter": (lambda: reduce_scatter_tensor(shard, full), 1.0),
+            "all_reduce": (lambda: dist.all_reduce(full), 2.0),
+        }
+        for name, (fn, factor) in ops.items():
+            for where, beside in (("alone", None), ("beside a GEMM", gemm)):
+                ms = _time(fn, a.iters, a.warmup, beside)
+                busbw = factor * numel * 2 * (n - 1) / n / (ms * 1e-3) / 1e9
+                rows.append({"op": name, "size_mib": mib, "where": where, "ms": ms, "busbw_gbs": busbw, "ranks": n})
+    if rank == 0:
+        print(f"{'op':15s} {'MiB':>6s} {'where':14s} {'ms':>8s} {'busbw GB/s':>10s}   ({n} ranks, "
+              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))})")
+        for r in rows:
+            print(f"{r['op']:15s} {r['size_mib']:6.1f} {r['where']:14s} {r['ms']:8.3f} {r['busbw_gbs']:10.1f}")
+        print("RESULT_JSON: " + json.dumps(rows))
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
