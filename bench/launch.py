@@ -27,8 +27,9 @@ TITAN = (os.path.join(ROOT, "bench", "torchtitan_bench.py")
 
 
 def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: str,
-        timeout: Optional[int] = None) -> Optional[dict]:
-    """torchrun ``script`` with ``args``; the parsed RESULT_JSON, or None (the log says why)."""
+        timeout: Optional[int] = None, env: Optional[dict] = None) -> Optional[dict]:
+    """torchrun ``script`` with ``args`` (and ``env`` added to the environment); the parsed RESULT_JSON, or
+    None (the log says why)."""
     if script is None:
         print(f"{name}: runner not found, skipped", flush=True)
         return None
@@ -38,7 +39,8 @@ def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: 
     log = os.path.join(log_dir, f"{name}.log")
     with open(log, "w") as f:
         try:
-            subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
+            subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
+                           env={**os.environ, **(env or {})})
         except subprocess.TimeoutExpired:
             f.write(f"\nTIMEOUT after {timeout}s\n")
     for line in open(log):

@@ -32,6 +32,11 @@ TP2_DP2 = GPT + ["--global-batch-size", "32", "--tp", "2", "--sequence-parallel"
                  "--overlap-grad-reduce"]
 SEVEN_B = ["--preset", "mlm-7.1b", "--num-layers", "16", "--global-batch-size", "16", "--tp", "4", "--sequence-parallel"]
 PROFILE = ["--profile-overlap"]  # one more step, profiled after the timed ones: where the GPU time goes
+ON = ["--tp-comm-overlap"]  # each layer in batch pieces, one piece's TP collectives beside another's GEMMs
+TP2_NOSP = GPT + ["--global-batch-size", "16", "--tp", "2"]
+LLAMA = ["--preset", "llama-1b", "--global-batch-size", "16"]
+TP2_PP2_V2 = GPT + ["--global-batch-size", "32", "--tp", "2", "--pp", "2", "--vpp", "2", "--sequence-parallel"]
+SEVEN_B_MB2 = SEVEN_B + ["--micro-batch-size", "2"]  # two sequences: what batch pieces need
 # name: (GPUs, flags both runners take, flags only parallel3d takes, run Megatron-Core too)
 RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     "1gpu": (1, GPT + ["--global-batch-size", "16"], [], True),
@@ -45,7 +50,27 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     "pp4-interleaved": (4, PP4 + ["--vpp", "2"], ["--schedule-timing"], True),
     **{f"pp4-{z}": (4, PP4, ["--pipeline-schedule", z, "--schedule-timing"], False) for z in ZB},
     "7b-tp4": (4, SEVEN_B, [], True),
+    # TP communication (issue 26): without SP, with overlap, and the compute alone (collectives stubbed)
+    "tp2": (2, TP2_NOSP, [], False),
+    "tp2-overlap": (2, TP2_NOSP, ON + PROFILE, False),
+    "tp2-sp-overlap": (2, TP2, ON + PROFILE, False),
+    "tp2-overlap4": (2, TP2_NOSP, ON + ["--tp-comm-overlap-pieces", "4"], False),
+    "tp2-stub": (2, TP2_NOSP, ["--stub-tp-comm"], False),
+    "llama-1gpu": (1, LLAMA, [], True),
+    "llama-tp2-sp": (2, LLAMA + ["--tp", "2", "--sequence-parallel"], [], True),
+    "llama-tp2": (2, LLAMA + ["--tp", "2"], [], True),
+    "llama-tp2-overlap": (2, LLAMA + ["--tp", "2"], ON, False),
+    "llama-tp2-sp-overlap": (2, LLAMA + ["--tp", "2", "--sequence-parallel"], ON, False),
+    "tp2-dp2-overlap": (4, TP2_DP2, ON, False),
+    "tp2-dp2-nosp-overlap": (4, [a for a in TP2_DP2 if a != "--sequence-parallel"], ON, False),
+    "tp2-pp2-v2-sp-overlap": (4, TP2_PP2_V2, ON, False),
+    "tp2-pp2-v2-overlap": (4, [a for a in TP2_PP2_V2 if a != "--sequence-parallel"], ON, False),
+    "7b-tp4-mb2": (4, SEVEN_B_MB2, [], True),
+    "7b-tp4-mb2-overlap": (4, SEVEN_B_MB2, ON, False),
 }
+# Megatron-Core's TP runs also with CUDA_DEVICE_MAX_CONNECTIONS=1 (its own setting for its overlap): the
+# table takes its faster run.
+CDMC1 = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
 def measure(names: list[str], out: str, iters: int, warmup: int, timeout: int) -> dict:
@@ -55,11 +80,18 @@ def measure(names: list[str], out: str, iters: int, warmup: int, timeout: int) -
     for name in names:
         gpus, both, ours_only, peer = RUNS[name]
         common = both + ["--iters", str(iters), "--warmup", str(warmup)]
-        results[name] = {"ours": run(f"p3d_{name}", gpus, OURS, common + ours_only, logs, timeout=timeout)}
-        if (results[name]["ours"] or {}).get("span_ms"):
-            print(f"profile {name}: " + ", ".join(f"{k} {results[name]['ours'][k]:.1f}" for k in BREAKDOWN))
+        trace = ["--trace-out", f"/tmp/trace_{name}.json"] if "--profile-overlap" in ours_only else []
+        results[name] = {"ours": run(f"p3d_{name}", gpus, OURS, common + ours_only + trace, logs, timeout=timeout)}
+        ours = results[name]["ours"] or {}
+        if ours.get("span_ms"):
+            print(f"profile {name}: " + ", ".join(f"{k} {ours[k]:.1f}" for k in BREAKDOWN))
+        if ours.get("collective_profile"):
+            print(f"collectives {name}: {json.dumps(ours['collective_profile'])}")
         if peer:
-            results[name]["megatron"] = run(f"megatron_{name}", gpus, MEGATRON, common, logs, timeout=timeout)
+            runs = [run(f"megatron_{name}", gpus, MEGATRON, common, logs, timeout=timeout)]
+            if "--tp" in common:
+                runs.append(run(f"megatron_{name}_cdmc1", gpus, MEGATRON, common, logs, timeout=timeout, env=CDMC1))
+            results[name]["megatron"] = max((r for r in runs if r), key=tokens_per_gpu, default=None)
         with open(path, "w") as f:  # after every run: a later timeout keeps what was measured
             json.dump(results, f, indent=1)
     return results
@@ -78,7 +110,7 @@ def predict(name: str, cluster) -> tuple[float, float]:
 
 
 def report(results: dict, cluster) -> str:
-    one = tokens_per_gpu(results.get("1gpu", {}).get("ours"))
+    ones = {family: tokens_per_gpu(results.get(f"{family}1gpu", {}).get("ours")) for family in ("", "llama-")}
     lines = ["| run | parallel3d tokens/s/GPU | Megatron-Core | ratio | vs parallel3d 1 GPU | step measured / "
              "predicted | error | peak GiB measured / predicted | error |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
@@ -90,7 +122,7 @@ def report(results: dict, cluster) -> str:
         ratio = f"{tok / tokens_per_gpu(peer):.3f}x" if peer else ""
         step, mem = predict(name, cluster) if cluster else (float("nan"), float("nan"))
         ms, mm = iteration_time(ours), ours.get("peak_memory_gb") or float("nan")
-        lines.append(f"| {name} | {tok:,.0f} | {tokens_per_gpu(peer):,.0f} | {ratio} | {tok / one:.1%} | "
+        lines.append(f"| {name} | {tok:,.0f} | {tokens_per_gpu(peer):,.0f} | {ratio} | {tok / ones['llama-' if name.startswith('llama-') else '']:.1%} | "
                      f"{ms:.3f} / {step:.3f} s | {100 * (step / ms - 1):+.1f}% | {mm:.1f} / {mem:.1f} | "
                      f"{100 * (mem / mm - 1):+.1f}% |")
     return "\n".join(lines)

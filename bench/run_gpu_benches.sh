@@ -2,6 +2,7 @@
 # On the GPU machine, from the repo root: Megatron-Core and parallel3d side by side, same card, same call.
 #   bash bench/run_gpu_benches.sh fused-tests single ddp pipeline kernels   (single: one GPU)
 #   bash bench/run_gpu_benches.sh planner          (calibrate this machine, then validate on 1-2 GPUs)
+#   bash bench/run_gpu_benches.sh nccl             (the link: all-gather / reduce-scatter / all-reduce bus bandwidth)
 #   LAYOUTS="1gpu pp4-1f1b pp4-zb-h2" bash bench/run_gpu_benches.sh layouts   (bench/layouts_bench.py)
 # PARALLEL3D_JIT=1 (set here) builds csrc/ once into ~/.cache; the GPT runs then use the kernels.
 # Needs .whl/ with the megatron-core wheel and the anchor scripts (see ../shared/anchors/README.md), and
@@ -26,11 +27,13 @@ for what in "$@"; do
     single) python3 bench/single_gpu_bench.py ;;
     pipeline) python3 bench/pipeline_bench.py ;;
     kernels) python3 bench/kernels_bench.py ;;
+    nccl) timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node ${NCCL_GPUS:-2} \
+            bench/nccl_bench.py --json-out "$OUT/nccl_bench.json" ;;
     planner) python3 bench/calibrate_planner.py --base h100-sxm --out "$OUT/planner_cluster.json" --nproc 2 \
                --timeout 150 && BENCH_TIMEOUT=110 python3 bench/validate_planner.py --batches 32 \
                --cluster-file "$OUT/planner_cluster.json" --log-dir "$OUT/logs" --out "$OUT/validate_planner.md" ;;
     layouts) python3 bench/layouts_bench.py --runs ${LAYOUTS:-1gpu tp2-sp} --timeout 110 --out "$OUT" ;;
-    *) echo "unknown benchmark $what (fused-tests, single, ddp, pipeline, kernels, planner, layouts)"; exit 2 ;;
+    *) echo "unknown benchmark $what (fused-tests, single, ddp, pipeline, kernels, nccl, planner, layouts)"; exit 2 ;;
   esac
 done
 # At most a few files come back from the device machine: pack the logs into one.
