@@ -97,6 +97,8 @@ def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace,
                    "here and add the per-collective table (bench/collective_profile.py) to the result")
     p.add_argument("--stub-tp-comm", action="store_true", help="replace every collective by a local copy "
                    "(TP-only layouts; timing diagnosis, wrong numbers)")
+    p.add_argument("--sm-carveout", type=int, default=None, help="SMs every cuBLAS GEMM leaves free "
+                   "(torch._C._set_sm_carveout_experimental), so a collective beside it gets SMs at once")
     p.add_argument("--fp32", action="store_true", help="fp32 instead of bf16 (CPU smoke runs)")
     p.add_argument("--json-out", default=None)
     bench, rest = p.parse_known_args(argv)
@@ -161,6 +163,8 @@ def main(argv=None) -> None:
         if args.pipeline_model_parallel_size > 1 or args.data_parallel_size > 1:
             raise SystemExit("--stub-tp-comm: only for TP-only layouts (PP and DP traffic must stay real)")
         stub_collectives()
+    if bench.sm_carveout is not None:
+        torch._C._set_sm_carveout_experimental(bench.sm_carveout)
     fused_kernels = fused.describe()
     config = pretrain_gpt.transformer_config_from_args(args)
     partition = pretrain_gpt.layer_partition(args, config)
@@ -198,6 +202,8 @@ def main(argv=None) -> None:
         "iteration_time_spread_s": [min(times), max(times)], "tokens_per_s_per_gpu": tokens / step / world,
         "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None,
+        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if torch.cuda.is_available() else None,
+        "sm_carveout": bench.sm_carveout,
     }
 
     if bench.schedule_timing and args.pipeline_model_parallel_size > 1:

@@ -67,7 +67,12 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     "tp2-pp2-v2-overlap": (4, [a for a in TP2_PP2_V2 if a != "--sequence-parallel"], ON, False),
     "7b-tp4-mb2": (4, SEVEN_B_MB2, [], True),
     "7b-tp4-mb2-overlap": (4, SEVEN_B_MB2, ON, False),
+    # GEMMs that leave SMs free, so a collective beside them runs at once instead of after them
+    **{f"tp2{sp}{ov}-co{n}": (2, TP2 if sp else TP2_NOSP, (ON if ov else []) + ["--sm-carveout", str(n)], False)
+       for sp in ("", "-sp") for ov in ("", "-overlap") for n in (8, 16, 32)},
+    "tp2-hp-co16": (2, TP2_NOSP, ["--sm-carveout", "16"], False),
 }
+ENV = {"tp2-hp-co16": {"TORCH_NCCL_HIGH_PRIORITY": "1"}}  # parallel3d runs' extra environment
 # Megatron-Core's TP runs also with CUDA_DEVICE_MAX_CONNECTIONS=1 (its own setting for its overlap): the
 # table takes its faster run.
 CDMC1 = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
@@ -81,7 +86,8 @@ def measure(names: list[str], out: str, iters: int, warmup: int, timeout: int) -
         gpus, both, ours_only, peer = RUNS[name]
         common = both + ["--iters", str(iters), "--warmup", str(warmup)]
         trace = ["--trace-out", f"/tmp/trace_{name}.json"] if "--profile-overlap" in ours_only else []
-        results[name] = {"ours": run(f"p3d_{name}", gpus, OURS, common + ours_only + trace, logs, timeout=timeout)}
+        results[name] = {"ours": run(f"p3d_{name}", gpus, OURS, common + ours_only + trace, logs, timeout=timeout,
+                                     env=ENV.get(name))}
         ours = results[name]["ours"] or {}
         if ours.get("span_ms"):
             print(f"profile {name}: " + ", ".join(f"{k} {ours[k]:.1f}" for k in BREAKDOWN))
