@@ -71,10 +71,17 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     **{f"tp2{sp}{ov}-co{n}": (2, TP2 if sp else TP2_NOSP, (ON if ov else []) + ["--sm-carveout", str(n)], False)
        for sp in ("", "-sp") for ov in ("", "-overlap") for n in (8, 16, 32)},
     "tp2-hp-co16": (2, TP2_NOSP, ["--sm-carveout", "16"], False),
+    "tp2-co16-nc8": (2, TP2_NOSP, ["--sm-carveout", "16"], False),
+    "tp2-overlap-co16-nc8": (2, TP2_NOSP, ON + ["--sm-carveout", "16"], False),
+    "tp2-dp2-nosp": (4, [a for a in TP2_DP2 if a != "--sequence-parallel"], [], False),
+    "tp2-pp2-v2": (4, [a for a in TP2_PP2_V2 if a != "--sequence-parallel"], [], False),
 }
-ENV = {"tp2-hp-co16": {"TORCH_NCCL_HIGH_PRIORITY": "1"}}  # parallel3d runs' extra environment
-# Megatron-Core's TP runs also with CUDA_DEVICE_MAX_CONNECTIONS=1 (its own setting for its overlap): the
-# table takes its faster run.
+# parallel3d runs' extra environment: NCCL's stream at high priority, and (nc8) at most 8 channels, so its
+# blocks fit in the SMs the GEMMs leave free
+_NC8 = {"TORCH_NCCL_HIGH_PRIORITY": "1", "NCCL_MAX_NCHANNELS": "8"}
+ENV = {"tp2-hp-co16": {"TORCH_NCCL_HIGH_PRIORITY": "1"}, "tp2-co16-nc8": _NC8, "tp2-overlap-co16-nc8": _NC8}
+# With MEGATRON_CDMC1=1, Megatron-Core's TP runs also with CUDA_DEVICE_MAX_CONNECTIONS=1 (its own setting for
+# its overlap) and the table takes its faster run (unset was faster in both calls of BENCHMARKS.md's issue-26 section).
 CDMC1 = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
@@ -95,7 +102,7 @@ def measure(names: list[str], out: str, iters: int, warmup: int, timeout: int) -
             print(f"collectives {name}: {json.dumps(ours['collective_profile'])}")
         if peer:
             runs = [run(f"megatron_{name}", gpus, MEGATRON, common, logs, timeout=timeout)]
-            if "--tp" in common:
+            if "--tp" in common and os.environ.get("MEGATRON_CDMC1") == "1":
                 runs.append(run(f"megatron_{name}_cdmc1", gpus, MEGATRON, common, logs, timeout=timeout, env=CDMC1))
             results[name]["megatron"] = max((r for r in runs if r), key=tokens_per_gpu, default=None)
         with open(path, "w") as f:  # after every run: a later timeout keeps what was measured
