@@ -58,7 +58,6 @@ from parallel3d.training import (  # noqa: E402
     peak_tflops,
     train_step,
 )
-from parallel3d.models.block import overlap_pieces  # noqa: E402
 from parallel3d.training.training_config import TrainingConfig  # noqa: E402
 
 PRESETS = {  # the Megatron anchor's presets
@@ -189,7 +188,6 @@ def main(argv=None) -> None:
     peak = peak_tflops(args)
     result = {
         "framework": "parallel3d", "fused_kernels": fused_kernels, "preset": bench.preset,
-        "tp_comm_overlap": overlap_pieces(config, args.micro_batch_size, training=True)[1],
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "world_size": world, "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
         "vpp": args.virtual_pipeline_model_parallel_size, "dp": args.data_parallel_size,

@@ -32,11 +32,9 @@ TP2_DP2 = GPT + ["--global-batch-size", "32", "--tp", "2", "--sequence-parallel"
                  "--overlap-grad-reduce"]
 SEVEN_B = ["--preset", "mlm-7.1b", "--num-layers", "16", "--global-batch-size", "16", "--tp", "4", "--sequence-parallel"]
 PROFILE = ["--profile-overlap"]  # one more step, profiled after the timed ones: where the GPU time goes
-ON = ["--tp-comm-overlap"]  # each layer in batch pieces, one piece's TP collectives beside another's GEMMs
 TP2_NOSP = GPT + ["--global-batch-size", "16", "--tp", "2"]
 LLAMA = ["--preset", "llama-1b", "--global-batch-size", "16"]
 TP2_PP2_V2 = GPT + ["--global-batch-size", "32", "--tp", "2", "--pp", "2", "--vpp", "2", "--sequence-parallel"]
-SEVEN_B_MB2 = SEVEN_B + ["--micro-batch-size", "2"]  # two sequences: what batch pieces need
 # name: (GPUs, flags both runners take, flags only parallel3d takes, run Megatron-Core too)
 RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     "1gpu": (1, GPT + ["--global-batch-size", "16"], [], True),
@@ -50,36 +48,25 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     "pp4-interleaved": (4, PP4 + ["--vpp", "2"], ["--schedule-timing"], True),
     **{f"pp4-{z}": (4, PP4, ["--pipeline-schedule", z, "--schedule-timing"], False) for z in ZB},
     "7b-tp4": (4, SEVEN_B, [], True),
-    # TP communication (issue 26): without SP, with overlap, and the compute alone (collectives stubbed)
+    # TP communication (issue 26): without SP, the compute alone (collectives stubbed), and GEMMs that leave
+    # SMs free (--sm-carveout) so a collective beside them runs at once instead of after them
     "tp2": (2, TP2_NOSP, [], False),
-    "tp2-overlap": (2, TP2_NOSP, ON + PROFILE, False),
-    "tp2-sp-overlap": (2, TP2, ON + PROFILE, False),
-    "tp2-overlap4": (2, TP2_NOSP, ON + ["--tp-comm-overlap-pieces", "4"], False),
     "tp2-stub": (2, TP2_NOSP, ["--stub-tp-comm"], False),
     "llama-1gpu": (1, LLAMA, [], True),
     "llama-tp2-sp": (2, LLAMA + ["--tp", "2", "--sequence-parallel"], [], True),
-    "llama-tp2": (2, LLAMA + ["--tp", "2"], [], True),
-    "llama-tp2-overlap": (2, LLAMA + ["--tp", "2"], ON, False),
-    "llama-tp2-sp-overlap": (2, LLAMA + ["--tp", "2", "--sequence-parallel"], ON, False),
-    "tp2-dp2-overlap": (4, TP2_DP2, ON, False),
-    "tp2-dp2-nosp-overlap": (4, [a for a in TP2_DP2 if a != "--sequence-parallel"], ON, False),
-    "tp2-pp2-v2-sp-overlap": (4, TP2_PP2_V2, ON, False),
-    "tp2-pp2-v2-overlap": (4, [a for a in TP2_PP2_V2 if a != "--sequence-parallel"], ON, False),
-    "7b-tp4-mb2": (4, SEVEN_B_MB2, [], True),
-    "7b-tp4-mb2-overlap": (4, SEVEN_B_MB2, ON, False),
-    # GEMMs that leave SMs free, so a collective beside them runs at once instead of after them
-    **{f"tp2{sp}{ov}-co{n}": (2, TP2 if sp else TP2_NOSP, (ON if ov else []) + ["--sm-carveout", str(n)], False)
-       for sp in ("", "-sp") for ov in ("", "-overlap") for n in (8, 16, 32)},
-    "tp2-hp-co16": (2, TP2_NOSP, ["--sm-carveout", "16"], False),
-    "tp2-co16-nc8": (2, TP2_NOSP, ["--sm-carveout", "16"], False),
-    "tp2-overlap-co16-nc8": (2, TP2_NOSP, ON + ["--sm-carveout", "16"], False),
+    "llama-tp2": (2, LLAMA + ["--tp", "2"], [], False),
     "tp2-dp2-nosp": (4, [a for a in TP2_DP2 if a != "--sequence-parallel"], [], False),
     "tp2-pp2-v2": (4, [a for a in TP2_PP2_V2 if a != "--sequence-parallel"], [], False),
+    "7b-tp4-nosp": (4, [a for a in SEVEN_B if a != "--sequence-parallel"], [], False),
+    **{f"tp2{sp}-co{n}": (2, TP2 if sp else TP2_NOSP, ["--sm-carveout", str(n)], False)
+       for sp in ("", "-sp") for n in (8, 16, 32)},
+    "tp2-hp-co16": (2, TP2_NOSP, ["--sm-carveout", "16"], False),
+    "tp2-co16-nc8": (2, TP2_NOSP, ["--sm-carveout", "16"], False),
 }
 # parallel3d runs' extra environment: NCCL's stream at high priority, and (nc8) at most 8 channels, so its
 # blocks fit in the SMs the GEMMs leave free
 _NC8 = {"TORCH_NCCL_HIGH_PRIORITY": "1", "NCCL_MAX_NCHANNELS": "8"}
-ENV = {"tp2-hp-co16": {"TORCH_NCCL_HIGH_PRIORITY": "1"}, "tp2-co16-nc8": _NC8, "tp2-overlap-co16-nc8": _NC8}
+ENV = {"tp2-hp-co16": {"TORCH_NCCL_HIGH_PRIORITY": "1"}, "tp2-co16-nc8": _NC8}
 # With MEGATRON_CDMC1=1, Megatron-Core's TP runs also with CUDA_DEVICE_MAX_CONNECTIONS=1 (its own setting for
 # its overlap) and the table takes its faster run (unset was faster in both calls of BENCHMARKS.md's issue-26 section).
 CDMC1 = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

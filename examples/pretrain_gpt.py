@@ -40,7 +40,6 @@ from parallel3d.data import (  # noqa: E402
     build_train_valid_test_datasets,
 )
 from parallel3d.models.generation import generate  # noqa: E402
-from parallel3d.models.block import overlap_pieces  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.pipeline.layout import LayoutError, layer_partition_from_args  # noqa: E402
 from parallel3d.pipeline.schedules import placement_of  # noqa: E402
@@ -128,7 +127,6 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, seed=args.seed,
         tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
-        tp_comm_overlap=args.tp_comm_overlap, tp_comm_overlap_pieces=args.tp_comm_overlap_pieces,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
@@ -269,7 +267,6 @@ def _train(args: argparse.Namespace, training_config: TrainingConfig, tokenizer,
                  f"DP {args.data_parallel_size}; {args.num_microbatches} microbatches of {args.micro_batch_size}; "
                  f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
     print_rank_0(fused.describe())  # every rank loads (or the node's first builds) the kernels here
-    print_rank_0(overlap_pieces(config, args.micro_batch_size, training=True)[1])
 
     def datasets_provider(num_samples):
         return build_train_valid_test_datasets(args.data_path, args.split, args.seq_length, args.seed, num_samples,

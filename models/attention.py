@@ -143,12 +143,9 @@ class SelfAttention(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                rotary_pos_emb: Optional[torch.Tensor], inference_params: Optional[InferenceParams] = None,
-                gathered=None, start_reduction: bool = False):
-        """``gathered``: the input's sequence-parallel gather, already started (``linear_qkv.start_input_gather``);
-        ``start_reduction``: return the projection's TP reduction started, not awaited (a ``Pending``)."""
+                rotary_pos_emb: Optional[torch.Tensor], inference_params: Optional[InferenceParams] = None):
         cfg = self.config
-        mixed, _ = self.linear_qkv(hidden_states, gathered=gathered)  # [s, b, ng/tp * (np/ng + 2) * d]
+        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng/tp * (np/ng + 2) * d]
         s, b = mixed.shape[:2]
         q_per_group, d = self.heads_per_rank // self.groups_per_rank, self.kv_channels
         mixed = mixed.view(s, b, self.groups_per_rank, (q_per_group + 2) * d)
@@ -166,7 +163,7 @@ class SelfAttention(nn.Module):
             ctx = tensor_parallel.checkpoint(self.core_attention, q, k, v, attention_mask)
         else:
             ctx = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj.forward_started(ctx) if start_reduction else self.linear_proj(ctx)
+        return self.linear_proj(ctx)
 
     def _update_kv_cache(self, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor],
                          inference_params: InferenceParams):

@@ -93,13 +93,6 @@ class TransformerConfig:
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
 
-    # Megatron-Core's field, our method: each layer runs its micro-batch as this many pieces along the
-    # batch so one piece's TP collective runs beside another piece's GEMMs (DeepSpeed Domino's split).
-    # Used in training where the micro-batch divides into the pieces and no dropout is drawn (a piece's
-    # dropout would draw other numbers than the whole batch's); else the layer runs whole.
-    tp_comm_overlap: bool = False
-    tp_comm_overlap_pieces: int = 2
-
     # --- activation recomputation ---------------------------------------------------------------
     recompute_granularity: Optional[str] = None  # None | "full" (whole layers) | "selective" (attention core)
     recompute_method: str = "uniform"  # full: "uniform" = groups of recompute_num_layers layers,
@@ -133,7 +126,7 @@ class TransformerConfig:
 
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
                      "make_vocab_size_divisible_by", "tensor_model_parallel_size",
-                     "pipeline_model_parallel_size", "recompute_num_layers", "tp_comm_overlap_pieces"):
+                     "pipeline_model_parallel_size", "recompute_num_layers"):
             positive(name)
         for name, allowed in (("position_embedding_type", POSITION_EMBEDDING_TYPES),
                               ("normalization", NORMALIZATIONS), ("activation", ACTIVATIONS),

@@ -59,8 +59,6 @@ class MLP(nn.Module):
             init_method=scaled_init_method_normal(config.init_method_std, config.num_layers), **common,
         )
 
-    def forward(self, hidden_states: torch.Tensor, gathered=None, start_reduction: bool = False):
-        """``gathered`` / ``start_reduction``: as for SelfAttention (the TP overlap of a layer split in pieces)."""
-        intermediate, bias = self.linear_fc1(hidden_states, gathered=gathered)
-        activated = self.activation(intermediate, bias)
-        return self.linear_fc2.forward_started(activated) if start_reduction else self.linear_fc2(activated)
+    def forward(self, hidden_states: torch.Tensor):
+        intermediate, bias = self.linear_fc1(hidden_states)
+        return self.linear_fc2(self.activation(intermediate, bias))

@@ -45,3 +45,21 @@ def test_breakdown_counts_exposed_communication_and_idle():
     assert r["nccl_overlap_fraction"] == pytest.approx(0.5)
     assert r["top_other_ms"] == {"elementwise": pytest.approx(0.6)}
     assert kernel_breakdown(SimpleNamespace(events=lambda: [cpu_op])) == {}
+
+
+def test_collective_table_joins_each_nccl_kernel_to_its_launch():
+    """bench/collective_profile.py on a made-up trace: a GEMM 0-100 us; an all-gather launched at 10, started
+    at 90 (queued behind the GEMM), running 90-130 (10 us beside the GEMM, 30 exposed)."""
+    from collective_profile import collective_table
+
+    ev = lambda cat, name, ts, dur, corr, stream=7: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                                     "args": {"correlation": corr, "stream": stream}}
+    trace = {"traceEvents": [
+        ev("cuda_runtime", "cudaLaunchKernel", 0, 2, 1), ev("kernel", "nvjet_gemm", 0, 100, 1),
+        ev("cuda_driver", "cuLaunchKernelEx", 10, 2, 2), ev("kernel", "ncclDevKernel_AllGather_RING_LL", 90, 40, 2, 19),
+    ]}
+    result = collective_table(trace)
+    ag = result["collectives"]["AllGather"]
+    assert ag["count"] == 1 and ag["median_run_us"] == 40.0 and ag["median_queued_us"] == 78.0
+    assert ag["beside_compute_ms"] == 0.01 and ag["exposed_ms"] == 0.03 and ag["streams"] == [19]
+    assert result["span_ms"] == 0.13 and result["compute_busy_ms"] == 0.1

@@ -31,7 +31,6 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from .overlap import Pending, start_input_gather, start_output_reduction
 from .utils import divide, group_rank_and_size, resolve_tp_group, split_tensor_for_rank, vocab_range
 
 InitMethod = Callable[[torch.Tensor], None]
@@ -144,13 +143,8 @@ class ColumnParallelLinear(_ParallelLinear):
         # Without SP the input is replicated over TP: its gradient is summed over TP.
         self.allreduce_dgrad = group_rank_and_size(self.tp_group)[1] > 1 and not self.sequence_parallel
 
-    def start_input_gather(self, x: torch.Tensor) -> Optional[Pending]:
-        """Start the sequence-parallel gather of ``x`` for a later ``forward(x, gathered=...)``."""
-        return start_input_gather(x, self.tp_group, self.sequence_parallel)
-
     @torch.compiler.disable  # eager: see _ParallelLinear
-    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None, gathered: Optional[Pending] = None):
-        """``gathered``: ``start_input_gather(x)``'s result, awaited here instead of gathering now."""
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
         if weight is None:
             if self.weight is None:
                 raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs a weight in forward")
@@ -164,7 +158,7 @@ class ColumnParallelLinear(_ParallelLinear):
         bias = self.bias if not self.skip_bias_add else None
         out = linear_with_grad_accumulation_and_async_allreduce(
             x, weight, bias, self.gradient_accumulation_fusion, self.allreduce_dgrad,
-            self.sequence_parallel, self.tp_group, None if gathered is None else gathered.wait(),
+            self.sequence_parallel, self.tp_group,
         )
         out_bias = self.bias if self.skip_bias_add else None
         if self.gather_output:
@@ -189,16 +183,12 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(input_size, output_size, 1, **common)
         self.input_is_parallel = input_is_parallel
 
-    def _partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's term of the output sum (before the TP reduction)."""
-        x_parallel = x if self.input_is_parallel else scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        return linear_with_grad_accumulation_and_async_allreduce(
-            x_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False, self.tp_group
-        )
-
     @torch.compiler.disable  # eager: see _ParallelLinear
     def forward(self, x: torch.Tensor):
-        out = self._partial(x)
+        x_parallel = x if self.input_is_parallel else scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        out = linear_with_grad_accumulation_and_async_allreduce(
+            x_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False, self.tp_group
+        )
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         else:
@@ -206,14 +196,6 @@ class RowParallelLinear(_ParallelLinear):
         if self.skip_bias_add or self.bias is None:
             return out, (self.bias if self.skip_bias_add else None)
         return out + self.bias, None
-
-    @torch.compiler.disable  # eager: see _ParallelLinear
-    def forward_started(self, x: torch.Tensor) -> tuple[Pending, Optional[torch.Tensor]]:
-        """Like ``forward`` with ``skip_bias_add``, but the TP reduction is started, not awaited: returns
-        (the pending output, the bias for the caller to add)."""
-        if not self.skip_bias_add and self.bias is not None:
-            raise ValueError("RowParallelLinear.forward_started needs skip_bias_add=True (the caller adds the bias)")
-        return start_output_reduction(self._partial(x), self.tp_group, self.sequence_parallel), self.bias
 
 
 def vocab_size_with_padding(

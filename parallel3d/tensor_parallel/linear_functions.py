@@ -2,8 +2,10 @@
 which runs beside a GEMM in backward: the sequence-parallel input's all-gather beside the input-gradient
 GEMM, the input gradient's reduce beside the weight-gradient GEMM.
 
-The forward's all-gather can arrive already started (``total_x``, from ``overlap.start_input_gather``):
-a layer split into pieces along the batch gathers the next piece's input while this piece's GEMM runs.
+The forward's all-gather / reduce-scatter stay exposed. Pipelining them against pieces of the GEMM
+(torch's symmetric-memory ``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``, tried as
+``--tp-comm-overlap``) measured 0.54-0.80x on 4 x H100 (BENCHMARKS.md, "TP communication overlap"),
+so it is not here.
 
 The weight gradient goes through ``weight_gradient``: deferred to a zero-bubble W, fused into
 ``main_grad``, or returned to autograd.
@@ -64,16 +66,14 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group,
-                total_x=None):
+    def forward(ctx, x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group):
         ctx.save_for_backward(x, weight)
         ctx.use_bias = bias is not None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
         ctx.group = group
-        if total_x is None:
-            total_x = gather_along_first_dim(x, group) if sequence_parallel else x
+        total_x = gather_along_first_dim(x, group) if sequence_parallel else x
         # F.linear, not matmul then "+ bias": cuBLAS adds the bias in the GEMM's epilogue. The separate
         # broadcast add was a 13 ms kernel of a GPT-1.3B step on one H100 (the QKV bias, 2.4%).
         return F.linear(total_x, weight, bias)
@@ -112,7 +112,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             handle.wait()
         if ctx.sequence_parallel and size > 1:
             grad_input = sub_grad_input
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
@@ -123,12 +123,9 @@ def linear_with_grad_accumulation_and_async_allreduce(
     allreduce_dgrad: bool = False,
     sequence_parallel: bool = False,
     group: Optional[dist.ProcessGroup] = None,
-    total_x: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Megatron's linear with the TP communication of its backward; ``group=None`` = the default
-    TP group (a single process when none is initialised), as for every tensor-parallel function.
-    ``total_x``: the sequence-parallel input already gathered (awaited), so forward skips its gather."""
+    TP group (a single process when none is initialised), as for every tensor-parallel function."""
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
-        x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, resolve_tp_group(group),
-        total_x,
+        x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, resolve_tp_group(group)
     )

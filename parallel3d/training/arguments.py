@@ -93,11 +93,6 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline schedule (default: 1f1b, interleaved-1f1b with virtual stages); zb-v and "
                         "dualpipev hold two chunks per rank in a V (virtual size 2 implied)")
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction, default=False,
-                   help="run each layer's micro-batch as batch pieces so one piece's TP collectives run beside "
-                        "another's GEMMs (training without dropout; the log says whether it runs)")
-    g.add_argument("--tp-comm-overlap-pieces", type=int, default=2,
-                   help="with --tp-comm-overlap: pieces per micro-batch (must divide --micro-batch-size)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="start each gradient bucket's all-reduce while backward runs")

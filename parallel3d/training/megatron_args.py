@@ -22,6 +22,11 @@ REFUSED: dict[str, str] = {
     "--overlap-param-gather": "the distributed optimizer all-gathers parameters right after its step; "
                               "--overlap-grad-reduce overlaps the gradient reduction with backward",
     "--use-torch-fsdp2": "FSDP is not implemented; --use-distributed-optimizer shards the optimizer state (ZeRO-1)",
+    "--tp-comm-overlap": "not implemented: both overlaps tried here measured slower (pipelining the sequence-"
+                         "parallel collectives against GEMM pieces, and running each layer as batch pieces whose "
+                         "collectives run beside the other pieces' GEMMs; BENCHMARKS.md): a collective beside a "
+                         "cuBLAS GEMM waits for the GEMM's SMs. Omit the flag; without --sequence-parallel TP=2 "
+                         "measured faster where its memory fits",
     "--fp8-format": "FP8 is not implemented; use --bf16",
     "--ckpt-format": "parallel3d has one checkpoint format (a safetensors file per TP/PP rank, Megatron's directory "
                      "names); omit the flag. tools/convert_checkpoint.py converts to and from Hugging Face",

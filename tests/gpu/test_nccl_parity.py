@@ -37,14 +37,11 @@ LAYOUTS = {
         "pp2-zbv": (1, 2, 2, False, ["--pipeline-schedule", "zb-v", "--overlap-grad-reduce"]),
         "dp2-overlap": (1, 1, None, False, ["--overlap-grad-reduce"]),
         "dp2-zero1": (1, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
-        "tp2-sp-compile": (2, 1, None, True, ["--compile"]),  # Inductor's kernels beside the NCCL linears
-        "tp2-sp-overlap": (2, 1, None, True, ["--tp-comm-overlap"]),  # layers in batch pieces
-        "tp2-overlap": (2, 1, None, False, ["--tp-comm-overlap", "--recompute-granularity", "full"])},
+        "tp2-sp-compile": (2, 1, None, True, ["--compile"])},  # Inductor's kernels beside the NCCL linears
     4: {"tp2-pp2-v2-sp": (2, 2, 2, True, []),
         "tp2-dp2": (2, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
         "pp2-dp2": (1, 2, None, False, ["--use-distributed-optimizer"]),
-        "pp4": (1, 4, None, False, []),
-        "tp2-pp2-v2-sp-overlap": (2, 2, 2, True, ["--tp-comm-overlap", "--pipeline-schedule", "zb-v"])},
+        "pp4": (1, 4, None, False, [])},
 }
 RESUME = {2: [("tp2-sp", "llama"), ("pp2-v2", "gpt2")], 4: [("tp2-pp2-v2-sp", "gpt2")]}
 
