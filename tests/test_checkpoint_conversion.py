@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from parallel3d.models import GPTModel
 from parallel3d.models.config import gpt2_config, llama_config
-from parallel3d.training.checkpointing import LATEST_FILE, model_state_for_save
+from parallel3d.training.checkpointing import LATEST_FILE, model_state_for_save, write_metadata
 from parallel3d.pipeline.partition import partition_layers
 
 from hf_checkpoints import PROMPT, _hf_class, _hf_model
@@ -175,8 +175,8 @@ def test_target_dtype_and_overwrite(hf, checkpoints, tmp_path):
         assert convert_main(argv) == 2
     assert "already holds a checkpoint; pass --overwrite" in err.getvalue()
     assert convert_main(argv + ["--overwrite"]) == 0
-    assert sorted(os.listdir(os.path.join(out, "iter_0000000"))) == ["metadata.json", "mp_rank_00_000",
-                                                                      "mp_rank_01_000"]
+    assert sorted(os.listdir(os.path.join(out, "iter_0000000"))) == ["metadata.json", "metadata.json.sha256",
+                                                                      "mp_rank_00_000", "mp_rank_01_000"]
     assert sorted(os.listdir(tmp_path)) == ["bf16"]  # no temporary or swapped-out directories left
 
 
@@ -284,7 +284,7 @@ def test_conversion_errors_name_the_problem(hf, checkpoints, tmp_path):
     shutil.rmtree(ckpt / "mp_rank_02_001")
     meta = json.load(open(ckpt / "metadata.json"))
     meta["model_config"]["ffn_hidden_size"] = 64
-    (ckpt / "metadata.json").write_text(json.dumps(meta))
+    write_metadata(str(ckpt), meta)  # with its checksum file: the shapes are what is checked
     assert "layers.0.mlp.linear_fc1.weight has shape (64, 32), the model config implies (32, 32) at TP=2" in \
         _convert_error("parallel3d", "hf", str(src), out)
     # nothing was written by any failed conversion
