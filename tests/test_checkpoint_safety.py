@@ -4,7 +4,9 @@ swapped pipeline-stage files. Each is refused in one line naming the file; nothi
 the checkpoint (its size, hash or existence) is ever printed. (docs/reliability.md, "Checkpoint safety".)
 """
 import io
+import json
 import os
+import re
 import shutil
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -22,6 +24,7 @@ from checkpoint_faults import (  # noqa: E402
     edit_metadata,
     load_fresh,
     save_tiny,
+    tiny_model,
 )
 from parallel3d.tools.verify_checkpoint import main as verify_main  # noqa: E402
 
@@ -250,3 +253,53 @@ def test_swapped_files_of_different_sizes_are_named_as_swapped(saved):
         load_fresh(save_dir)
     problems = checkpointing.verify_checkpoint(save_dir)[1]
     assert len(problems) == 2 and all("files swapped" in p for p in problems), problems
+
+
+# ---------------------------------------------------------------- 8: an architecture change on resume is refused
+
+
+def _config(*flags):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import pretrain_gpt
+
+    from parallel3d.training.arguments import parse_args, validate_args
+    args = parse_args(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
+                       "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--vocab-size", "16", *flags],
+                      extra_args_provider=pretrain_gpt.add_example_args)
+    return pretrain_gpt.transformer_config_from_args(validate_args(args, 1)), args
+
+
+@pytest.mark.parametrize("flags,field", [
+    (["--openai-gelu"], "activation: checkpoint 'gelu' vs this run 'gelu_tanh'"),
+    (["--norm-epsilon", "0.3"], "layernorm_epsilon: checkpoint 1e-05 vs this run 0.3"),
+    (["--rotary-base", "500", "--position-embedding-type", "rope"], "rotary_base"),
+    (["--rotary-percent", "0.5", "--position-embedding-type", "rope"], "rotary_percent"),
+    (["--add-qkv-bias"], "add_qkv_bias"),
+    (["--make-vocab-size-divisible-by", "8"], "make_vocab_size_divisible_by"),
+], ids=["openai_gelu", "norm_epsilon", "rotary_base", "rotary_percent", "qkv_bias", "vocab_divisor"])
+def test_a_function_changing_model_flag_on_resume_is_refused_by_name(tmp_path, flags, field):
+    saved_config, _ = _config(*(["--position-embedding-type", "rope"] if "rope" in flags else []))
+    model, opt = tiny_model()
+    save_dir = str(tmp_path / "ckpt")
+    checkpointing.save_checkpoint(save_dir, 2, model, opt, model_config=saved_config)
+    changed, _ = _config(*flags)
+    with pytest.raises(CheckpointError, match=rf"holds another model: .*{re.escape(field)}.*--use-checkpoint-args"):
+        load_fresh(save_dir, model_config=changed)
+    assert load_fresh(save_dir, model_config=saved_config)[0] == 2
+
+
+def test_use_checkpoint_args_takes_every_compared_field(tmp_path):
+    from parallel3d.training.checkpoint_args import apply_checkpoint_args
+
+    saved_config, _ = _config("--openai-gelu", "--norm-epsilon", "0.25", "--position-embedding-type", "rope",
+                              "--rotary-base", "500", "--rotary-percent", "0.5", "--add-qkv-bias")
+    model, opt = tiny_model()
+    save_dir = str(tmp_path / "ckpt")
+    checkpointing.save_checkpoint(save_dir, 2, model, opt, model_config=saved_config)
+    _, args = _config("--load", save_dir, "--use-checkpoint-args")
+    apply_checkpoint_args(args)
+    from parallel3d.training.arguments import validate_args
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import pretrain_gpt
+    taken = pretrain_gpt.transformer_config_from_args(validate_args(args, 1))
+    assert taken.checkpoint_mismatches(json.loads(json.dumps(checkpointing._to_jsonable(saved_config)))) == []

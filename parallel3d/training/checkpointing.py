@@ -322,7 +322,8 @@ def check_compatible(meta: dict[str, Any], model_config: Any, ckpt_dir: str) -> 
     check = getattr(model_config, "checkpoint_mismatches", None)  # the model's own rule (model_chunk.py)
     diffs = check(meta["model_config"]) if check is not None and meta.get("model_config") else []
     if diffs:
-        raise CheckpointError(f"{ckpt_dir} holds another model: " + "; ".join(diffs))
+        raise CheckpointError(f"{ckpt_dir} holds another model: " + "; ".join(diffs) + ". Give this run the "
+                              "checkpoint's settings, or --use-checkpoint-args to take them from it")
 
 
 def load_model_shards(ckpt_dir: str, tp_rank: int, pp_rank: int,
