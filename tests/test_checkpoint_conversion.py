@@ -169,11 +169,13 @@ def test_target_dtype_and_overwrite(hf, checkpoints, tmp_path):
     assert meta["model_config"]["params_dtype"] == "bfloat16" and meta["model_config"]["bf16"] is True
     # a second conversion into the same place: refused, then allowed with --overwrite (to fp32, TP=2)
     err = io.StringIO()
-    argv = ["--loader", "parallel3d", "--saver", "parallel3d", "--load-dir", out, "--save-dir", out,
-            "--target-tensor-parallel-size", "2", "--target-params-dtype", "fp32", "--quiet"]
+    argv = ["--loader", "parallel3d", "--saver", "parallel3d", "--load-dir", checkpoints["llama"]["tp4pp1"],
+            "--save-dir", out, "--target-tensor-parallel-size", "2", "--target-params-dtype", "fp32", "--quiet"]
     with redirect_stderr(err):
         assert convert_main(argv) == 2
+        assert convert_main([*argv[:4], "--load-dir", out, *argv[6:], "--overwrite"]) == 2  # in place: never
     assert "already holds a checkpoint; pass --overwrite" in err.getvalue()
+    assert f"--save-dir {out} is --load-dir {out}: the source would be replaced" in err.getvalue()
     assert convert_main(argv + ["--overwrite"]) == 0
     assert sorted(os.listdir(os.path.join(out, "iter_0000000"))) == ["metadata.json", "metadata.json.sha256",
                                                                       "mp_rank_00_000", "mp_rank_01_000"]

@@ -131,3 +131,26 @@ def test_converted_checkpoints_carry_checksums_and_a_damaged_one_is_not_converte
     assert not os.path.exists(tmp_path / "back")
     problems = checkpointing.verify_checkpoint(ckpt)[1]
     assert len(problems) == 1 and "mp_rank_01_000/model.safetensors fails its checksum" in problems[0]
+
+
+def test_overwrite_never_replaces_the_source_or_what_no_conversion_wrote(tmp_path):
+    """Issue 29, item 12: --save-dir a parent of --load-dir with --overwrite deleted the source and a stranger."""
+    parent = tmp_path / "parent"
+    src = parent / "src"
+    src.mkdir(parents=True)
+    (src / checkpointing.LATEST_FILE).write_text("0")
+    (parent / "notes.txt").write_text("unrelated")
+    for load, save, where in ((src, parent, "contains"), (src, src, "is"), (parent, src, "is inside")):
+        with pytest.raises(ConversionError, match=rf"--save-dir {save} {where} --load-dir {load}: the source would "
+                                                  "be replaced or deleted"):
+            convert("parallel3d", "parallel3d", str(load), str(save), overwrite=True)
+    assert (parent / "notes.txt").read_text() == "unrelated" and (src / checkpointing.LATEST_FILE).exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / checkpointing.LATEST_FILE).write_text("0")
+    (other / "iter_0000000").mkdir()
+    (other / "train.log").write_text("mine")
+    with pytest.raises(ConversionError, match=r"--save-dir .*other holds 'train.log', which no conversion writes: "
+                                              r"--overwrite replaces only a converted checkpoint"):
+        convert("parallel3d", "parallel3d", str(src), str(other), overwrite=True)
+    assert (other / "train.log").read_text() == "mine"
