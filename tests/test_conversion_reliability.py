@@ -154,3 +154,62 @@ def test_overwrite_never_replaces_the_source_or_what_no_conversion_wrote(tmp_pat
                                               r"--overwrite replaces only a converted checkpoint"):
         convert("parallel3d", "parallel3d", str(src), str(other), overwrite=True)
     assert (other / "train.log").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("config.json", b"\xff\xfe{not utf-8", r"config.json is not valid UTF-8 JSON"),
+    ("config.json", b'{"architectures": ["GPT2LMHeadModel"], "n_layer": ', r"config.json is not valid UTF-8 JSON"),
+    ("config.json", b"[1, 2]", r"config.json must hold a JSON object, found a list"),
+    ("config.json", b'{"architectures": 7}', r"config.json: field 'architectures' must be a list of class names"),
+    ("config.json", json.dumps({**GPT2, "n_embd": "abc"}).encode(), r"config.json: the model config is invalid"),
+    ("config.json", json.dumps({"architectures": ["LlamaForCausalLM"], "num_attention_heads": "x"}).encode(),
+     r"config.json: the model config is invalid: TypeError"),
+    ("config.json", json.dumps({"architectures": ["LlamaForCausalLM"], "rope_parameters": [1]}).encode(),
+     r"config.json: the model config is invalid: AttributeError"),
+    ("model.safetensors.index.json", b"[]", r"model.safetensors.index.json must hold a JSON object, found a list"),
+    ("model.safetensors.index.json", json.dumps({"weight_map": {"x": "a\x00b"}}).encode(),
+     r"lists weight file 'a\\x00b': not a file name"),
+], ids=["config_not_utf8", "config_truncated", "config_list", "architectures_int", "n_embd_string",
+        "llama_heads_string", "rope_parameters_list", "index_list", "index_nul_byte"])
+def test_a_malformed_hf_config_or_index_is_one_line_naming_the_file(dirs, tmp_path, name, content, message):
+    """Issue 29, item 14: these were tracebacks."""
+    model, _ = dirs
+    if name == "config.json":  # weights, so that the config is what fails
+        save_file({"transformer.wte.weight": torch.zeros(16, 8), "model.embed_tokens.weight": torch.zeros(16, 8)},
+                  str(model / "model.safetensors"))
+    (model / name).write_bytes(content)
+    with pytest.raises(ConversionError, match=message):
+        convert("hf", "parallel3d", str(model), str(tmp_path / "out"))
+
+
+def test_bad_tensor_parallel_splits_in_a_shard_are_one_line(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from parallel3d.training.checkpointing import iteration_dir
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, vocab_size=64)).save_pretrained(
+        str(tmp_path / "hf"))
+    ckpt = str(tmp_path / "tp2")
+    convert("hf", "parallel3d", str(tmp_path / "hf"), ckpt, target_tensor_parallel_size=2)
+    path = os.path.join(iteration_dir(ckpt, 0), "mp_rank_00_000", "model.safetensors")
+    with safe_open(path, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        header = dict(f.metadata())
+    save_file(tensors, path, metadata={**header, "tensor_parallel_splits": "[1, 2]"})
+    checkpoint_integrity_rerecord(ckpt, "mp_rank_00_000/model.safetensors")
+    with pytest.raises(ConversionError, match=r"mp_rank_00_000/model.safetensors: its tensor_parallel_splits metadata "
+                                              r"is not a JSON object"):
+        convert("parallel3d", "hf", ckpt, str(tmp_path / "back"))
+
+
+def checkpoint_integrity_rerecord(save_dir, rel):
+    """Rewrite the file's record (and metadata.json's checksum): the shard itself is what is checked."""
+    from parallel3d.training import checkpoint_integrity
+
+    ckpt_dir = checkpointing.iteration_dir(save_dir, 0)
+    meta = checkpointing.read_metadata(ckpt_dir)
+    path = os.path.join(ckpt_dir, rel)
+    meta["files"][rel].update(sha256=checkpoint_integrity.sha256_file(path), bytes=os.path.getsize(path))
+    checkpointing.write_metadata(ckpt_dir, meta)

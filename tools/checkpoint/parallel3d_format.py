@@ -102,6 +102,19 @@ def expected_rank_tensors(config: TransformerConfig, counts: list[int], pp_rank:
     return out
 
 
+def _read_splits(f: Any, path: str) -> dict[str, str]:
+    """A shard file's ``tensor_parallel_splits`` header entry: {tensor name: "partition_dim,stride"}."""
+    raw = (f.metadata() or {}).get("tensor_parallel_splits", "{}")
+    try:
+        splits = json.loads(raw)
+    except (ValueError, RecursionError):
+        splits = None
+    if not isinstance(splits, dict) or not all(isinstance(v, str) for v in splits.values()):
+        raise ConversionError(f"{path}: its tensor_parallel_splits metadata is not a JSON object of "
+                              f"'partition_dim,stride' strings: {raw[:60]!r}")
+    return splits
+
+
 class Parallel3dLoader:
     """Units of a parallel3d checkpoint (the latest iteration under ``load_dir``)."""
 
@@ -153,7 +166,7 @@ class Parallel3dLoader:
                     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
                         raise ConversionError(f"cannot read {path}: {e}") from e
                     self._files[t, p] = f
-                    self._splits[t, p] = json.loads((f.metadata() or {}).get("tensor_parallel_splits", "{}"))
+                    self._splits[t, p] = _read_splits(f, path)
             self.placement = self._placement(saved_split(meta, pp))
             self._counts = self._layer_counts()
             self._check_files()
