@@ -309,7 +309,7 @@ def test_a_failed_conversion_leaves_no_output(hf, tmp_path, monkeypatch):
 
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("old")
+    (out / LATEST_FILE).write_text("0")  # an older conversion's, which --overwrite may replace
 
     def broken(self, index, tensors):
         raise OSError("disk full")
@@ -317,4 +317,4 @@ def test_a_failed_conversion_leaves_no_output(hf, tmp_path, monkeypatch):
     monkeypatch.setattr(parallel3d_format.Parallel3dSaver, "layer", broken)
     with pytest.raises(OSError, match="disk full"):
         convert("hf", "parallel3d", hf["gpt2"][0], str(out), target_pipeline_parallel_size=2, overwrite=True)
-    assert os.listdir(out) == ["keep.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
+    assert os.listdir(out) == [LATEST_FILE] and sorted(os.listdir(tmp_path)) == ["out"]

@@ -12,6 +12,8 @@ import sys
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from parallel3d.training import checkpoint_integrity, checkpointing
 from parallel3d.training.checkpointing import CheckpointError
@@ -21,6 +23,7 @@ from checkpoint_faults import (  # noqa: E402
     RANK,
     ROOT,
     ckpt_file,
+    drop_checksums,
     edit_metadata,
     load_fresh,
     save_tiny,
@@ -303,3 +306,29 @@ def test_use_checkpoint_args_takes_every_compared_field(tmp_path):
     import pretrain_gpt
     taken = pretrain_gpt.transformer_config_from_args(validate_args(args, 1))
     assert taken.checkpoint_mismatches(json.loads(json.dumps(checkpointing._to_jsonable(saved_config)))) == []
+
+
+def _rewrite_header(path, **entries):
+    with safe_open(path, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        header = dict(f.metadata())
+    save_file(tensors, path, metadata={**header, **entries})
+
+
+@pytest.mark.filterwarnings("ignore::parallel3d.training.checkpointing.CheckpointWarning")
+def test_shard_headers_catch_a_swap_or_a_downgrade_where_metadata_lists_no_checksums(saved):
+    """A version-2 save records its format version and (TP, PP) rank in each model.safetensors header too."""
+    save_dir = saved[0]
+    path = ckpt_file(save_dir, f"{RANK}/model.safetensors")
+    with safe_open(path, framework="pt") as f:
+        assert {k: f.metadata()[k] for k in ("format_version", "tp_rank", "pp_rank")} == \
+            {"format_version": "2", "tp_rank": "0", "pp_rank": "0"}
+    drop_checksums(save_dir, old_headers=False)  # the downgrade: metadata says version 1, lists no checksums
+    with pytest.raises(CheckpointError, match=r"model.safetensors was written by format version 2, which always "
+                                              r"records checksums, but metadata.json lists none"):
+        load_fresh(save_dir)
+    assert "written by format version 2" in _verify("--load", save_dir).stderr
+    _rewrite_header(path, format_version="1", pp_rank="1")  # another pipeline stage's file, of an old save
+    with pytest.raises(CheckpointError, match=r"model.safetensors was written by pp_rank=1, but this process "
+                                              r"\(pp_rank=0\) is loading it \(files swapped"):
+        load_fresh(save_dir)

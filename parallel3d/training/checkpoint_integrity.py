@@ -37,6 +37,8 @@ from safetensors import safe_open
 from parallel3d.training.safetensors_stream import StreamingSafetensorsWriter
 
 FILES_KEY = "files"
+CHECKSUMS_SINCE = 2  # from this format version on, every checkpoint records checksums
+_RANK_DIR = re.compile(r"^mp_rank_(\d+)_(\d+)/model\.safetensors$")
 _READ_CHUNK = 1 << 24
 
 
@@ -174,6 +176,22 @@ def warn_unverified(ckpt_dir: str) -> None:
                       CheckpointWarning, stacklevel=3)
 
 
+def check_shard_header(path: str, header: Optional[dict[str, str]], meta: dict[str, Any], tp_rank: int,
+                       pp_rank: int) -> None:
+    """What a model.safetensors header records, checked even where metadata.json lists no checksums: the format
+    version that wrote it (one that always records checksums cannot have none: a downgrade) and the (TP, PP) rank
+    that wrote it (files swapped between ranks or pipeline stages, whatever their sizes)."""
+    header = header or {}
+    version = header.get("format_version", "")
+    if meta.get(FILES_KEY) is None and version.isdigit() and int(version) >= CHECKSUMS_SINCE:
+        raise CheckpointError(f"{path} was written by format version {version}, which always records checksums, but "
+                              "metadata.json lists none (removed after the save?): refusing to load it unverified")
+    for key, want in (("tp_rank", tp_rank), ("pp_rank", pp_rank)):
+        if header.get(key) is not None and header[key] != str(want):
+            raise CheckpointError(f"{path} was written by {key}={header[key]}, but this process ({key}={want}) is "
+                                  "loading it (files swapped between ranks or pipeline stages?)")
+
+
 def relpath_problem(rel: Any) -> Optional[str]:
     """Why ``rel`` (a file name metadata.json lists) is not a plain path inside the iteration directory, or None."""
     if not isinstance(rel, str) or not rel or "\x00" in rel or "\\" in rel:
@@ -271,6 +289,9 @@ def verify_files(ckpt_dir: str, meta: dict[str, Any], shards: list[str]) -> list
                 if path is not None and rel.endswith(".safetensors"):
                     with safe_open(path, framework="pt") as f:
                         list(f.keys())
+                        ranks = _RANK_DIR.match(rel)
+                        if ranks:
+                            check_shard_header(path, f.metadata(), meta, int(ranks.group(1)), int(ranks.group(2)))
                 elif path is not None and rel.endswith(".pt"):
                     load_torch_file(path)
             except CheckpointError as e:

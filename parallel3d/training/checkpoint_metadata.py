@@ -26,6 +26,7 @@ import warnings
 from typing import Any, Optional
 
 from parallel3d.training.checkpoint_integrity import (
+    CHECKSUMS_SINCE,
     FILES_KEY,
     CheckpointError,
     CheckpointWarning,
@@ -39,7 +40,6 @@ METADATA_FILE = "metadata.json"
 METADATA_CHECKSUM_FILE = METADATA_FILE + ".sha256"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-CHECKSUMS_SINCE = 2  # from this version on, every checkpoint records checksums
 MAX_PARALLEL_SIZE = 1 << 16  # any of TP, PP, virtual PP, DP; and TP x PP (files per checkpoint)
 MAX_WORLD_SIZE = 1 << 20
 _MAX_METADATA_BYTES = 256 << 20

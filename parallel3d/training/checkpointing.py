@@ -46,6 +46,7 @@ from parallel3d.training.checkpoint_integrity import (
     CheckpointWarning,
     check_file,
     check_save_dir_writable,
+    check_shard_header,
     confined_path,  # noqa: F401 - part of this module's API (pretrain calls it)
     load_torch_file,
     safetensors_save_hashed,
@@ -186,7 +187,8 @@ def _write_rank_files(tmp: str, model: Sequence[torch.nn.Module], opt_state: Any
             rel = f"{rdir}/model.safetensors"
             path = os.path.join(tmp, rel)
             records[rel] = safetensors_save_hashed(path, tensors, {
-                "tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION)})
+                "tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION),
+                "tp_rank": str(ranks["tp_rank"]), "pp_rank": str(ranks["pp_rank"])})
             del tensors
             state = {"optimizer": opt_state,
                      "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None}
@@ -333,13 +335,17 @@ def load_model_shards(ckpt_dir: str, tp_rank: int, pp_rank: int,
     path = confined_path(ckpt_dir, rel)
     if not os.path.exists(path):
         raise CheckpointError(f"missing shard {path} (tp_rank={tp_rank}, pp_rank={pp_rank})")
-    check_file(ckpt_dir, read_metadata(ckpt_dir) if meta is None else meta, rel, tp_rank=tp_rank, pp_rank=pp_rank)
+    meta = read_metadata(ckpt_dir) if meta is None else meta
+    check_file(ckpt_dir, meta, rel, tp_rank=tp_rank, pp_rank=pp_rank)
     try:
         with safe_open(path, framework="pt") as f:
-            splits = json.loads((f.metadata() or {}).get("tensor_parallel_splits", "{}"))
-            return {k: f.get_tensor(k) for k in f.keys()}, splits
+            header = f.metadata() or {}
+            splits = json.loads(header.get("tensor_parallel_splits", "{}"))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
         raise CheckpointError(f"cannot read {path}: {e}") from e
+    check_shard_header(path, header, meta, tp_rank, pp_rank)
+    return tensors, splits
 
 
 def load_model_state(chunks: Sequence[torch.nn.Module], tensors: dict[str, torch.Tensor], where: str) -> None:

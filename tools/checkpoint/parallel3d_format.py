@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from parallel3d.models.config import TransformerConfig
-from parallel3d.training.checkpoint_integrity import FILES_KEY, check_file, confined_path
+from parallel3d.training.checkpoint_integrity import FILES_KEY, check_file, check_shard_header, confined_path
 from parallel3d.training.checkpointing import (
     FORMAT_VERSION,
     LATEST_FILE,
@@ -166,6 +166,10 @@ class Parallel3dLoader:
                     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
                         raise ConversionError(f"cannot read {path}: {e}") from e
                     self._files[t, p] = f
+                    try:
+                        check_shard_header(path, f.metadata(), meta, t, p)
+                    except CheckpointError as e:
+                        raise ConversionError(str(e)) from e
                     self._splits[t, p] = _read_splits(f, path)
             self.placement = self._placement(saved_split(meta, pp))
             self._counts = self._layer_counts()
@@ -301,7 +305,8 @@ class Parallel3dSaver:
                     splits = {k: spec.split for k, (spec, _, _) in want.items() if spec.split is not None}
                     self._writers[t, p] = StreamingSafetensorsWriter(
                         os.path.join(rdir, MODEL_FILE), entries,
-                        metadata={"tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION)})
+                        metadata={"tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION),
+                                  "tp_rank": str(t), "pp_rank": str(p)})
                     for key, (spec, unit, index) in want.items():
                         name = key.split(".", 1)[1]  # drop "model{chunk}."
                         if unit == "layer":
