@@ -5,7 +5,8 @@ Layout (Megatron's directory names, so its tools find their way around):
     SAVE/
       latest_checkpointed_iteration.txt       the last COMPLETE iteration, written last
       iter_0000100/
-        metadata.json                         layout, model config, iteration, args
+        metadata.json                         layout, model config, iteration, args, file checksums
+        metadata.json.sha256                  metadata.json's own checksum (checkpoint_metadata)
         mp_rank_{tp:02d}_{pp:03d}/
           model.safetensors                   this rank's shards of every model chunk,
                                               keys "model{chunk}.{parameter name}"; the
@@ -22,7 +23,10 @@ if killed between the two renames; the next save clears such debris. A save that
 write (ENOSPC, ...) removes its partial directory and raises CheckpointError on every rank.
 
 Integrity (``checkpoint_integrity``): metadata.json records each file's SHA-256, size and
-writer's (TP, PP, DP) rank; loads verify them and read ``.pt`` files with weights_only=True.
+writer's (TP, PP, DP) rank; loads verify them and read ``.pt`` files with weights_only=True. Every file
+is read only inside its iteration directory: a name with ``..`` or an absolute path, or a symlink
+leaving the directory, is refused. ``SAVE/parallel3d_save.lock`` keeps a second job out while a run
+saves (checkpoint_lock).
 """
 from __future__ import annotations
 
