@@ -109,6 +109,8 @@ class save_dir_guard:
                 self.lock.acquire()
             except CheckpointError as e:
                 error = str(e)
+            except OSError as e:  # never raise past the collective below: the other ranks would wait for rank 0
+                error = f"cannot lock --save directory {self.lock.save_dir}: {e.strerror or e}"
         if not all_ranks_ok(error is None, "rank 0's check and lock of the --save directory"):
             self.lock.release()
             raise CheckpointError(_from_rank_0(error))
