@@ -220,8 +220,9 @@ def test_a_renamed_iteration_directory_is_refused_naming_both_numbers(saved):
     (lambda m: m["files"][f"{RANK}/model.safetensors"].update(bytes="many"), f"files.{RANK}/model.safetensors"),
     (lambda m: m["files"]["rng/rank_00000.pt"].update(rank=True), "files.rng/rank_00000.pt.rank"),
     (lambda m: m.update(model_config=[]), "model_config"),
+    (lambda m: m["extra"].update(consumed_train_samples="32"), "extra.consumed_train_samples"),
 ], ids=["huge_tp", "float_tp", "string_pp", "missing_tp", "missing_iteration", "negative_world", "files_list",
-        "bytes_string", "rank_bool", "config_list"])
+        "bytes_string", "rank_bool", "config_list", "consumed_string"])
 def test_malformed_metadata_is_refused_naming_the_field(saved, change, field):
     save_dir = saved[0]
     edit_metadata(save_dir, change)

@@ -98,6 +98,10 @@ def _schema_problem(meta: Any) -> Optional[str]:
     for key, types in (("model_config", dict), ("args", dict), ("extra", dict), ("layer_numbers", list)):
         if meta.get(key) is not None and not isinstance(meta[key], types):
             return f"field {key!r} must be a JSON {'object' if types is dict else 'array'} or null"
+    for key in ("consumed_train_samples", "consumed_valid_samples"):
+        value = (meta.get("extra") or {}).get(key)
+        if value is not None and not _is_int(value, 0, 1 << 62):
+            return f"field 'extra.{key}' must be an integer >= 0, found {value!r:.60}"
     files = meta.get(FILES_KEY)
     if files is None:
         return None
