@@ -213,3 +213,21 @@ def checkpoint_integrity_rerecord(save_dir, rel):
     path = os.path.join(ckpt_dir, rel)
     meta["files"][rel].update(sha256=checkpoint_integrity.sha256_file(path), bytes=os.path.getsize(path))
     checkpointing.write_metadata(ckpt_dir, meta)
+
+
+def test_a_shard_linked_outside_a_parallel3d_checkpoint_is_not_converted(tmp_path):
+    """Issue 29, item 2: the link's target held the very bytes saved, and was converted silently."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, vocab_size=64)).save_pretrained(
+        str(tmp_path / "hf"))
+    ckpt = str(tmp_path / "p3d")
+    convert("hf", "parallel3d", str(tmp_path / "hf"), ckpt)
+    shard = os.path.join(checkpointing.iteration_dir(ckpt, 0), "mp_rank_00_000", "model.safetensors")
+    os.replace(shard, tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", shard)
+    with pytest.raises(ConversionError, match=r"mp_rank_00_000/model.safetensors is a symlink leaving the checkpoint "
+                                              r"directory"):
+        convert("parallel3d", "hf", ckpt, str(tmp_path / "back"))
+    assert not os.path.exists(tmp_path / "back")
