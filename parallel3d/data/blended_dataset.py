@@ -17,7 +17,7 @@ import torch
 def normalize(weights: Sequence[float]) -> list[float]:
     """Scale weights to sum to 1 (no exponentiation), as Megatron does."""
     w = np.array(weights, dtype=np.float64)
-    if w.size == 0 or np.any(w < 0) or not np.isfinite(w).all() or w.sum() <= 0:
+    if w.size == 0 or np.any(w < 0) or not np.isfinite(w).all() or w.max() <= 0:
         raise ValueError(f"blend weights must be finite, non-negative and sum to > 0, got {list(weights)}")
     w = w / w.max()  # first to at most 1: weights near the float maximum would sum to inf
     return (w / w.sum()).tolist()
