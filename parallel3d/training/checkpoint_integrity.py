@@ -12,7 +12,9 @@ never by reading the file back. A load hashes each file it is about to use in on
 streaming pass (the pages it then maps are in the page cache), so flipped bytes, a
 truncated file or another rank's file (swapped shards: its digest is that of another
 record) is refused with a message naming the file. Checkpoints saved before checksums
-were kept load with a one-line warning.
+were kept (format version 1) load with a one-line warning. Every file is opened only inside its
+iteration directory (``confined_path``): a listed name with ``..`` or an absolute path, or a symlink
+resolving outside, is refused before anything about its target is looked at.
 
 ``optimizer.pt`` and ``rng/*.pt`` are read with ``torch.load(weights_only=True)``: tensors,
 numbers, strings, lists and dicts only. A planted pickle payload (``__reduce__``) is refused,
