@@ -324,9 +324,13 @@ class TransformerConfig:
         return self.gated_linear_unit and self.activation == "silu"
 
 
+# Every field that changes the function the weights compute (their shapes, or what is done with them): a
+# checkpoint saved otherwise is refused, naming the field (precision, kernels and dropout may change).
 _ARCHITECTURE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                 "vocab_size", "normalization", "position_embedding_type", "gated_linear_unit", "add_bias_linear",
-                 "untie_embeddings_and_output_weights", "kv_channels")
+                 "vocab_size", "make_vocab_size_divisible_by", "normalization", "layernorm_epsilon",
+                 "position_embedding_type", "rotary_base", "rotary_percent", "gated_linear_unit", "activation",
+                 "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights", "kv_channels",
+                 "apply_residual_connection_post_layernorm")
 
 # --- presets ----------------------------------------------------------------------------------
 

@@ -4,9 +4,11 @@ import json
 import os
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from parallel3d.training import checkpointing
+from parallel3d.training import checkpoint_metadata, checkpointing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK = "mp_rank_00_000"
@@ -57,16 +59,30 @@ def flip_byte(path, offset=-20):
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def edit_metadata(save_dir, change, iteration=2):
-    path = ckpt_file(save_dir, checkpointing.METADATA_FILE, iteration)
-    meta = json.load(open(path))
+def edit_metadata(save_dir, change, iteration=2, rerecord=True):
+    """Edit metadata.json; ``rerecord``: as an attacker who also rewrites its checksum file."""
+    ckpt_dir = checkpointing.iteration_dir(save_dir, iteration)
+    meta = checkpointing.read_metadata(ckpt_dir)
     change(meta)
-    json.dump(meta, open(path, "w"))
+    if rerecord:
+        checkpoint_metadata.write_metadata(ckpt_dir, meta)
+    else:
+        json.dump(meta, open(os.path.join(ckpt_dir, checkpointing.METADATA_FILE), "w"))
 
 
-def drop_checksums(save_dir, iteration=2):
-    """What a checkpoint saved before checksums were kept looks like."""
-    edit_metadata(save_dir, lambda meta: meta.pop("files"), iteration)
+def drop_checksums(save_dir, iteration=2, old_headers=True):
+    """What a checkpoint saved before checksums were kept looks like: format version 1, no file list, no
+    metadata.json.sha256; ``old_headers``: its model files' headers say version 1 too (else: a downgrade)."""
+    edit_metadata(save_dir, lambda meta: (meta.pop("files"), meta.update(format_version=1)), iteration)
+    os.remove(ckpt_file(save_dir, checkpoint_metadata.METADATA_CHECKSUM_FILE, iteration))
+    ckpt_dir = checkpointing.iteration_dir(save_dir, iteration)
+    for name in sorted(os.listdir(ckpt_dir)) if old_headers else []:
+        path = os.path.join(ckpt_dir, name, "model.safetensors")
+        if os.path.isfile(path):
+            with safe_open(path, framework="pt") as f:
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+                header = dict(f.metadata(), format_version="1")
+            save_file(tensors, path, metadata=header)
 
 
 def load_fresh(save_dir, model=None, opt=None, **kw):

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from parallel3d.models import GPTModel
 from parallel3d.models.config import gpt2_config, llama_config
-from parallel3d.training.checkpointing import LATEST_FILE, model_state_for_save
+from parallel3d.training.checkpointing import LATEST_FILE, model_state_for_save, write_metadata
 from parallel3d.pipeline.partition import partition_layers
 
 from hf_checkpoints import PROMPT, _hf_class, _hf_model
@@ -169,14 +169,16 @@ def test_target_dtype_and_overwrite(hf, checkpoints, tmp_path):
     assert meta["model_config"]["params_dtype"] == "bfloat16" and meta["model_config"]["bf16"] is True
     # a second conversion into the same place: refused, then allowed with --overwrite (to fp32, TP=2)
     err = io.StringIO()
-    argv = ["--loader", "parallel3d", "--saver", "parallel3d", "--load-dir", out, "--save-dir", out,
-            "--target-tensor-parallel-size", "2", "--target-params-dtype", "fp32", "--quiet"]
+    argv = ["--loader", "parallel3d", "--saver", "parallel3d", "--load-dir", checkpoints["llama"]["tp4pp1"],
+            "--save-dir", out, "--target-tensor-parallel-size", "2", "--target-params-dtype", "fp32", "--quiet"]
     with redirect_stderr(err):
         assert convert_main(argv) == 2
+        assert convert_main([*argv[:4], "--load-dir", out, *argv[6:], "--overwrite"]) == 2  # in place: never
     assert "already holds a checkpoint; pass --overwrite" in err.getvalue()
+    assert f"--save-dir {out} is --load-dir {out}: the source would be replaced" in err.getvalue()
     assert convert_main(argv + ["--overwrite"]) == 0
-    assert sorted(os.listdir(os.path.join(out, "iter_0000000"))) == ["metadata.json", "mp_rank_00_000",
-                                                                      "mp_rank_01_000"]
+    assert sorted(os.listdir(os.path.join(out, "iter_0000000"))) == ["metadata.json", "metadata.json.sha256",
+                                                                      "mp_rank_00_000", "mp_rank_01_000"]
     assert sorted(os.listdir(tmp_path)) == ["bf16"]  # no temporary or swapped-out directories left
 
 
@@ -284,7 +286,7 @@ def test_conversion_errors_name_the_problem(hf, checkpoints, tmp_path):
     shutil.rmtree(ckpt / "mp_rank_02_001")
     meta = json.load(open(ckpt / "metadata.json"))
     meta["model_config"]["ffn_hidden_size"] = 64
-    (ckpt / "metadata.json").write_text(json.dumps(meta))
+    write_metadata(str(ckpt), meta)  # with its checksum file: the shapes are what is checked
     assert "layers.0.mlp.linear_fc1.weight has shape (64, 32), the model config implies (32, 32) at TP=2" in \
         _convert_error("parallel3d", "hf", str(src), out)
     # nothing was written by any failed conversion
@@ -307,7 +309,7 @@ def test_a_failed_conversion_leaves_no_output(hf, tmp_path, monkeypatch):
 
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("old")
+    (out / LATEST_FILE).write_text("0")  # an older conversion's, which --overwrite may replace
 
     def broken(self, index, tensors):
         raise OSError("disk full")
@@ -315,4 +317,4 @@ def test_a_failed_conversion_leaves_no_output(hf, tmp_path, monkeypatch):
     monkeypatch.setattr(parallel3d_format.Parallel3dSaver, "layer", broken)
     with pytest.raises(OSError, match="disk full"):
         convert("hf", "parallel3d", hf["gpt2"][0], str(out), target_pipeline_parallel_size=2, overwrite=True)
-    assert os.listdir(out) == ["keep.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
+    assert os.listdir(out) == [LATEST_FILE] and sorted(os.listdir(tmp_path)) == ["out"]

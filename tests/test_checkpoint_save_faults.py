@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from parallel3d.training import checkpoint_integrity, checkpointing
+from parallel3d.training import checkpoint_integrity, checkpoint_metadata, checkpointing
 from parallel3d.training.checkpointing import CheckpointError, CheckpointWarning
 from parallel3d.training.safetensors_stream import StreamingSafetensorsWriter
 
@@ -121,24 +121,26 @@ def test_the_old_copy_of_a_half_swapped_resave_is_loaded_with_a_warning(saved):
 # ---------------------------------------------------------------- 11: disk full
 
 
-def enospc_on(suffix):
-    """write_json failing only for files ending in ``suffix``."""
-    real = checkpointing.write_json
+def enospc_on(suffix, real=checkpointing.write_json):
+    """``real`` (a writer taking a path first) failing only for files ending in ``suffix``."""
 
-    def write_json(path, obj):
+    def write(path, *args):
         if path.endswith(suffix):
             enospc()
-        return real(path, obj)
-    return write_json
+        return real(path, *args)
+    return write
 
 
 @pytest.mark.parametrize("target,replacement,name", [
     ((StreamingSafetensorsWriter, "write"), enospc, "model.safetensors"),
     ((checkpoint_integrity.HashingFile, "write"), enospc, "optimizer.pt"),
     ((checkpointing, "write_json"), enospc_on("rank_00000.json"), "checksums/rank_00000.json"),
-    ((checkpointing, "write_json"), enospc_on("metadata.json"), "iter_0000004.tmp/metadata.json"),
+    ((checkpoint_metadata, "_fsync_write"), enospc_on("metadata.json", checkpoint_metadata._fsync_write),
+     "iter_0000004.tmp/metadata.json"),
+    ((checkpoint_metadata, "_fsync_write"), enospc_on(".sha256", checkpoint_metadata._fsync_write),
+     "iter_0000004.tmp/metadata.json.sha256"),
     ((checkpointing, "_atomic_write_text"), enospc, "latest_checkpointed_iteration.txt"),
-], ids=["model", "optimizer", "checksum_record", "metadata", "tracker"])
+], ids=["model", "optimizer", "checksum_record", "metadata", "metadata_checksum", "tracker"])
 def test_disk_full_names_enospc_and_the_file_and_removes_the_partial_save(saved, monkeypatch, target, replacement,
                                                                           name):
     save_dir, model, opt, weights = saved

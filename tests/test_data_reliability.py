@@ -4,12 +4,13 @@ Megatron's index holds, per sequence, a length (tokens) and a pointer (byte offs
 only the last entry used to be checked against the .bin's size, so a corrupt entry in the middle
 read garbage tokens or crashed mid-training. Each case below edits one field of a valid pair.
 """
+import os
 import time
 
 import numpy as np
 import pytest
 
-from parallel3d.data import IndexedDataset, IndexedDatasetBuilder
+from parallel3d.data import IndexedDataset, IndexedDatasetBuilder, get_blend_from_list, normalize
 
 N = 300  # sequences, each its own document
 PREAMBLE = 34  # magic(9) + version(8) + dtype code(1) + sequence count(8) + document count(8)
@@ -80,3 +81,39 @@ def test_validation_is_vectorised(tmp_path):
     start = time.perf_counter()
     IndexedDataset(p)
     assert time.perf_counter() - start < 1.0
+
+
+# ---------------------------------------------------------------- issue 29, item 10: stale stats, blend weights
+
+
+def test_a_stats_file_left_from_an_older_bin_is_detected_even_with_its_mtime_restored(prefix):
+    """The .bin rewritten in place with larger ids, same size, its modification time set back."""
+    from parallel3d.data.token_stats import check_tokens_fit_vocab, max_token_id
+
+    bin_path = prefix + ".bin"
+    assert max_token_id(prefix, np.uint16) < 1000
+    st = os.stat(bin_path)
+    data = np.fromfile(bin_path, np.uint16)
+    data[len(data) // 2] = 5000
+    data.tofile(bin_path)
+    os.utime(bin_path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(bin_path).st_size == st.st_size and os.stat(bin_path).st_mtime_ns == st.st_mtime_ns
+    with pytest.raises(ValueError, match=r"corpus_text_document.bin holds token id 5000 but the vocabulary has "
+                                         r"1000 ids"):
+        check_tokens_fit_vocab(prefix, np.uint16, 1000, "--tokenizer-type X")
+
+
+@pytest.mark.parametrize("data_path,message", [
+    (["inf", "A"], r"--data-path weight 'inf' of A must be a finite number > 0"),
+    (["nan", "A", "1", "B"], r"weight 'nan' of A must be a finite number > 0"),
+    (["0.5", "A", "-1", "B"], r"weight '-1' of B must be a finite number > 0"),
+    (["0", "A", "1", "B"], r"weight '0' of A must be a finite number > 0"),
+], ids=["inf", "nan", "negative", "zero"])
+def test_blend_weights_must_be_finite_and_positive(data_path, message):
+    with pytest.raises(ValueError, match=message):
+        get_blend_from_list(data_path)
+
+
+def test_huge_blend_weights_are_normalised_not_lost():
+    prefixes, weights = get_blend_from_list(["1e308", "A", "1e308", "B"])
+    assert prefixes == ["A", "B"] and normalize(weights) == [0.5, 0.5]

@@ -22,7 +22,7 @@ bytes for an fp32 embedding: never the whole model.
 
 Safety: the output is written into a temporary directory beside --save-dir and renamed into
 place only when complete; a --save-dir that exists and is not empty is refused unless
---overwrite is given (it is then replaced as a whole).
+--overwrite is given (it is then replaced as a whole; tools/checkpoint/save_dir.py says what it never replaces).
 """
 from __future__ import annotations
 
@@ -42,9 +42,10 @@ import torch  # noqa: E402
 from parallel3d.progress import make_bar  # noqa: E402
 
 from parallel3d.models.config import TransformerConfig  # noqa: E402
-from parallel3d.training.checkpointing import LATEST_FILE, _fsync_dir  # noqa: E402
+from parallel3d.training.checkpointing import _fsync_dir  # noqa: E402
 from parallel3d.tools.checkpoint.hf import HfLoader, HfSaver  # noqa: E402
 from parallel3d.tools.checkpoint.parallel3d_format import Parallel3dLoader, Parallel3dSaver  # noqa: E402
+from parallel3d.tools.checkpoint.save_dir import check_save_dir  # noqa: E402
 from parallel3d.tools.checkpoint.schema import ConversionError, check_unit, embedding_specs, head_specs, layer_specs  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -84,20 +85,6 @@ def target_config(source: TransformerConfig, tp: int, pp: int, vp: Optional[int]
                               f"{e}") from e
 
 
-def _describe_existing(path: str) -> Optional[str]:
-    """Why ``path`` may not be written over: None if it is absent or an empty directory."""
-    if not os.path.exists(path):
-        return None
-    if not os.path.isdir(path):
-        return f"--save-dir {path} exists and is not a directory"
-    names = os.listdir(path)
-    if not names:
-        return None
-    if LATEST_FILE in names or any(n.startswith("iter_") for n in names) or "config.json" in names:
-        return f"--save-dir {path} already holds a checkpoint; pass --overwrite to replace it"
-    return f"--save-dir {path} is not empty ({len(names)} entries); pass --overwrite to replace it"
-
-
 def _install(tmp: str, save_dir: str) -> None:
     """Move the finished output into place; an older --save-dir is swapped out first, then removed."""
     parent = os.path.dirname(os.path.abspath(save_dir))
@@ -129,11 +116,7 @@ def convert(loader: str, saver: str, load_dir: str, save_dir: str, *, target_ten
         vp = None  # one chunk per stage: Megatron's "no virtual pipeline"
     if target_params_dtype is not None and target_params_dtype not in DTYPES:
         raise ConversionError(f"--target-params-dtype must be one of {sorted(DTYPES)}, got {target_params_dtype!r}")
-    problem = _describe_existing(save_dir)
-    if problem and not overwrite:
-        raise ConversionError(problem)
-    if problem and os.path.isfile(save_dir):
-        raise ConversionError(problem)
+    check_save_dir(load_dir, save_dir, overwrite)
 
     source = HfLoader(load_dir) if loader == "hf" else Parallel3dLoader(load_dir)
     tmp = None

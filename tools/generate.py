@@ -37,11 +37,9 @@ from parallel3d.device import default_backend, default_device  # noqa: E402
 from parallel3d.training.checkpointing import (  # noqa: E402
     CheckpointError,
     check_compatible,
-    find_checkpoint_dir,
     load_model_shards,
     load_model_state,
-    read_latest_iteration,
-    read_metadata,
+    open_checkpoint,
 )
 from parallel3d.data import build_tokenizer  # noqa: E402
 from parallel3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
@@ -77,11 +75,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def read_checkpoint(load_dir: str) -> tuple[str, dict[str, Any], TransformerConfig]:
     """(checkpoint directory, metadata, model config) of the latest iteration under ``load_dir``."""
-    iteration = read_latest_iteration(load_dir)
-    if iteration is None:
-        raise CheckpointError(f"{load_dir} holds no checkpoint (latest_checkpointed_iteration.txt is missing)")
-    ckpt_dir = find_checkpoint_dir(load_dir, iteration)
-    meta = read_metadata(ckpt_dir)
+    _, ckpt_dir, meta = open_checkpoint(load_dir)
     return ckpt_dir, meta, config_from_metadata(meta.get("model_config"), ckpt_dir)
 
 

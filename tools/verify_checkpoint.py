@@ -7,8 +7,9 @@
 Checks each file's size and SHA-256 against metadata.json, that every file the layout
 implies (a model shard and optimizer state per (TP, PP) rank, an RNG state per rank) is
 there, and that nothing unrecorded lies in the directory. Prints one line per bad file and
-exits 1 if any; 2 when the checkpoint cannot be read at all (no tracker, broken
-metadata.json). A checkpoint saved before checksums were kept gets a warning, and each of
+exits 1 if any (a symlink leaving the checkpoint is one, and nothing about its target is
+printed); 2 when the checkpoint cannot be read at all (no tracker, a metadata.json that is
+malformed, edited since saved, or names a file outside the iteration directory). A checkpoint saved before checksums were kept gets a warning, and each of
 its files is opened instead. Reads every byte once: run it on a copy you are about to
 trust (after a transfer, before deleting older checkpoints).
 """

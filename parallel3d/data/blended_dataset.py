@@ -17,8 +17,9 @@ import torch
 def normalize(weights: Sequence[float]) -> list[float]:
     """Scale weights to sum to 1 (no exponentiation), as Megatron does."""
     w = np.array(weights, dtype=np.float64)
-    if w.size == 0 or np.any(w < 0) or not np.isfinite(w).all() or w.sum() <= 0:
+    if w.size == 0 or np.any(w < 0) or not np.isfinite(w).all() or w.max() <= 0:
         raise ValueError(f"blend weights must be finite, non-negative and sum to > 0, got {list(weights)}")
+    w = w / w.max()  # first to at most 1: weights near the float maximum would sum to inf
     return (w / w.sum()).tolist()
 
 
@@ -40,6 +41,9 @@ def get_blend_from_list(blend: Sequence[str]) -> tuple[list[str], list[float] | 
                 weights = None
                 break
         if weights is not None:
+            for raw, w, prefix in zip(blend[0::2], weights, blend[1::2]):
+                if not (np.isfinite(w) and w > 0):
+                    raise ValueError(f"--data-path weight {raw!r} of {prefix} must be a finite number > 0")
             return list(blend[1::2]), weights
     for entry in blend:
         try:

@@ -4,26 +4,43 @@ Data preprocessed with an 8,000-token BPE and trained with the 257-token byte to
 train to the end at ``loss inf`` (TP > 1) or crash deep in the embedding (TP = 1). The writer
 (IndexedDatasetBuilder) records the largest id in ``<prefix>.stats.json`` for free while it
 writes; files written elsewhere (Megatron-LM's tools, older parallel3d) get one vectorised scan
-of the .bin on first use, cached in the same file. The cache names the .bin's size and
-modification time, so a rewritten .bin is scanned again.
+of the .bin on first use, cached in the same file. The cache names the .bin's size, modification
+and change times and a hash of 64 blocks sampled over it, so a rewritten .bin is scanned again,
+even one whose modification time was set back (the change time cannot be).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from typing import Any
 
 import numpy as np
 
 _CHUNK = 1 << 24  # tokens per scan step: bounded memory for any file size
+_SAMPLES, _BLOCK = 64, 4096  # the sampled hash reads 256 KiB at most
 
 
 def stats_path(prefix: str) -> str:
     return prefix + ".stats.json"
 
 
-def _bin_key(bin_path: str) -> dict[str, int]:
+def _sampled_sha256(bin_path: str, size: int) -> str:
+    """SHA-256 of ``_SAMPLES`` blocks spread evenly over the file (first and last included): a few reads."""
+    h = hashlib.sha256()
+    with open(bin_path, "rb") as f:
+        for i in range(_SAMPLES):
+            f.seek(max(0, (size - _BLOCK) * i // (_SAMPLES - 1)))
+            h.update(f.read(_BLOCK))
+    return h.hexdigest()
+
+
+def _bin_key(bin_path: str) -> dict[str, Any]:
+    """What ties a record to the .bin: its size, its times (ctime cannot be set back, unlike the mtime) and a
+    sampled content hash."""
     st = os.stat(bin_path)
-    return {"bin_size": st.st_size, "bin_mtime_ns": st.st_mtime_ns}
+    return {"bin_size": st.st_size, "bin_mtime_ns": st.st_mtime_ns, "bin_ctime_ns": st.st_ctime_ns,
+            "bin_sampled_sha256": _sampled_sha256(bin_path, st.st_size)}
 
 
 def record_max_token_id(prefix: str, max_token_id: int) -> None:
@@ -53,7 +70,8 @@ def max_token_id(prefix: str, dtype: type) -> int:
     try:
         with open(stats_path(prefix)) as f:
             record = json.load(f)
-        if {k: record.get(k) for k in ("bin_size", "bin_mtime_ns")} == _bin_key(prefix + ".bin"):
+        key = _bin_key(prefix + ".bin")
+        if {k: record.get(k) for k in key} == key:
             return int(record["max_token_id"])
     except (OSError, ValueError, KeyError, TypeError):
         pass

@@ -43,8 +43,7 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
     iteration = checkpointing.read_latest_iteration(args.load) if os.path.isdir(args.load) else None
     if iteration is None:
         raise CheckpointError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint to take arguments from")
-    ckpt_dir = checkpointing.find_checkpoint_dir(args.load, iteration)
-    meta = checkpointing.read_metadata(ckpt_dir)
+    _, ckpt_dir, meta = checkpointing.open_checkpoint(args.load, iteration)
     cfg = meta.get("model_config")
     if not isinstance(cfg, dict) or not cfg:
         raise CheckpointError(f"--use-checkpoint-args: {ckpt_dir} records no model_config; give the shape flags")

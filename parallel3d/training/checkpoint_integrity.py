@@ -12,7 +12,9 @@ never by reading the file back. A load hashes each file it is about to use in on
 streaming pass (the pages it then maps are in the page cache), so flipped bytes, a
 truncated file or another rank's file (swapped shards: its digest is that of another
 record) is refused with a message naming the file. Checkpoints saved before checksums
-were kept load with a one-line warning.
+were kept (format version 1) load with a one-line warning. Every file is opened only inside its
+iteration directory (``confined_path``): a listed name with ``..`` or an absolute path, or a symlink
+resolving outside, is refused before anything about its target is looked at.
 
 ``optimizer.pt`` and ``rng/*.pt`` are read with ``torch.load(weights_only=True)``: tensors,
 numbers, strings, lists and dicts only. A planted pickle payload (``__reduce__``) is refused,
@@ -37,6 +39,8 @@ from safetensors import safe_open
 from parallel3d.training.safetensors_stream import StreamingSafetensorsWriter
 
 FILES_KEY = "files"
+CHECKSUMS_SINCE = 2  # from this format version on, every checkpoint records checksums
+_RANK_DIR = re.compile(r"^mp_rank_(\d+)_(\d+)/model\.safetensors$")
 _READ_CHUNK = 1 << 24
 
 
@@ -174,12 +178,53 @@ def warn_unverified(ckpt_dir: str) -> None:
                       CheckpointWarning, stacklevel=3)
 
 
+def check_shard_header(path: str, header: Optional[dict[str, str]], meta: dict[str, Any], tp_rank: int,
+                       pp_rank: int) -> None:
+    """What a model.safetensors header records, checked even where metadata.json lists no checksums: the format
+    version that wrote it (one that always records checksums cannot have none: a downgrade) and the (TP, PP) rank
+    that wrote it (files swapped between ranks or pipeline stages, whatever their sizes)."""
+    header = header or {}
+    version = header.get("format_version", "")
+    if meta.get(FILES_KEY) is None and version.isdigit() and int(version) >= CHECKSUMS_SINCE:
+        raise CheckpointError(f"{path} was written by format version {version}, which always records checksums, but "
+                              "metadata.json lists none (removed after the save?): refusing to load it unverified")
+    for key, want in (("tp_rank", tp_rank), ("pp_rank", pp_rank)):
+        if header.get(key) is not None and header[key] != str(want):
+            raise CheckpointError(f"{path} was written by {key}={header[key]}, but this process ({key}={want}) is "
+                                  "loading it (files swapped between ranks or pipeline stages?)")
+
+
+def relpath_problem(rel: Any) -> Optional[str]:
+    """Why ``rel`` (a file name metadata.json lists) is not a plain path inside the iteration directory, or None."""
+    if not isinstance(rel, str) or not rel or "\x00" in rel or "\\" in rel:
+        return "not a file name"
+    if rel.startswith(("/", "~")) or os.path.isabs(rel):
+        return "an absolute path, not one inside the checkpoint directory"
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        return "a path leaving the checkpoint directory ('..' or an empty part)"
+    return None
+
+
+def confined_path(ckpt_dir: str, rel: str) -> str:
+    """``ckpt_dir``/``rel``; a CheckpointError when it would leave ``ckpt_dir`` (an absolute path, ``..``, or a
+    symlink resolving outside). Nothing about a file outside is looked at or reported, not even whether it exists."""
+    problem = relpath_problem(rel)
+    if problem:
+        raise CheckpointError(f"{os.path.join(ckpt_dir, 'metadata.json')} lists file {rel!r:.80}: {problem}; "
+                              "refusing to read it")
+    path = os.path.join(ckpt_dir, *rel.split("/"))
+    root = os.path.realpath(ckpt_dir)
+    if not os.path.realpath(path).startswith(root + os.sep):
+        raise CheckpointError(f"{path} is a symlink leaving the checkpoint directory {ckpt_dir}: refusing to read it")
+    return path
+
+
 def check_file(ckpt_dir: str, meta: dict[str, Any], relpath: str, **ranks: int) -> str:
     """Path of ``relpath`` under ``ckpt_dir`` once its size, checksum and ranks match its record.
 
     ``ranks`` (tp_rank=..., rank=...) are what the loading process expects the record to say.
     """
-    path = os.path.join(ckpt_dir, relpath)
+    path = confined_path(ckpt_dir, relpath)
     files = meta.get(FILES_KEY)
     if files is None:
         warn_unverified(ckpt_dir)
@@ -203,14 +248,16 @@ def file_problem(path: str, record: dict[str, Any], files: dict[str, dict[str, A
     if not os.path.isfile(path):
         return "is missing"
     size = os.path.getsize(path)
-    if size != record.get("bytes"):
+    if size != record.get("bytes") and not any(r.get("bytes") == size for r in files.values()):
         return f"is {size} bytes but was saved as {record.get('bytes')} bytes: truncated or overwritten"
-    digest = sha256_file(path)
+    digest = sha256_file(path)  # the size of another file: swapped (pipeline stages differ in size)?
     if digest == record.get("sha256"):
         return None
     same = sorted(name for name, r in files.items() if r.get("sha256") == digest)
     if same:
         return (f"fails its checksum: its content is that of {same[0]} (files swapped or copied between ranks?)")
+    if size != record.get("bytes"):
+        return f"is {size} bytes but was saved as {record.get('bytes')} bytes: truncated or overwritten"
     return (f"fails its checksum (SHA-256 {digest[:16]}..., saved as {str(record.get('sha256'))[:16]}...): "
             "its bytes changed since it was saved")
 
@@ -225,17 +272,29 @@ def verify_files(ckpt_dir: str, meta: dict[str, Any], shards: list[str]) -> list
     """
     files = meta.get(FILES_KEY)
     present = sorted(os.path.relpath(os.path.join(root, n), ckpt_dir).replace(os.sep, "/")
-                     for root, _, names in os.walk(ckpt_dir) for n in names if n != "metadata.json")
+                     for root, _, names in os.walk(ckpt_dir) for n in names
+                     if root != ckpt_dir or n not in ("metadata.json", "metadata.json.sha256"))
+    problems: list[str] = []
+
+    def inside(rel: str) -> Optional[str]:
+        try:
+            return confined_path(ckpt_dir, rel)
+        except CheckpointError as e:
+            problems.append(str(e))
+            return None
     if files is None:
         warn_unverified(ckpt_dir)
-        problems = [f"{os.path.join(ckpt_dir, rel)} is missing" for rel in shards if rel not in present]
+        problems += [f"{os.path.join(ckpt_dir, rel)} is missing" for rel in shards if rel not in present]
         for rel in present:
-            path = os.path.join(ckpt_dir, rel)
+            path = inside(rel)
             try:
-                if rel.endswith(".safetensors"):
+                if path is not None and rel.endswith(".safetensors"):
                     with safe_open(path, framework="pt") as f:
                         list(f.keys())
-                elif rel.endswith(".pt"):
+                        ranks = _RANK_DIR.match(rel)
+                        if ranks:
+                            check_shard_header(path, f.metadata(), meta, int(ranks.group(1)), int(ranks.group(2)))
+                elif path is not None and rel.endswith(".pt"):
                     load_torch_file(path)
             except CheckpointError as e:
                 problems.append(str(e))
@@ -246,12 +305,13 @@ def verify_files(ckpt_dir: str, meta: dict[str, Any], shards: list[str]) -> list
     if any(rel.startswith("rng/") for rel in files):  # a training save, not a converted checkpoint: all state
         expected += [rel.replace("model.safetensors", "optimizer.pt") for rel in shards]
         expected += [f"rng/rank_{r:05d}.pt" for r in range(int(meta.get("world_size", 1)))]
-    problems = [f"{os.path.join(ckpt_dir, rel)} belongs to the saved layout but is not in the file list of "
-                "metadata.json" for rel in expected if rel not in files]
+    problems += [f"{os.path.join(ckpt_dir, rel)} belongs to the saved layout but is not in the file list of "
+                 "metadata.json" for rel in expected if rel not in files]
     for rel, record in sorted(files.items()):
-        problem = file_problem(os.path.join(ckpt_dir, rel), record, files)
+        path = inside(rel)
+        problem = file_problem(path, record, files) if path is not None else None
         if problem:
-            problems.append(f"{os.path.join(ckpt_dir, rel)} {problem}")
+            problems.append(f"{path} {problem}")
     problems += [f"{os.path.join(ckpt_dir, rel)} is not part of the checkpoint as saved (not in metadata.json)"
                  for rel in present if rel not in files]
     return problems

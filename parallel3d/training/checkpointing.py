@@ -5,7 +5,8 @@ Layout (Megatron's directory names, so its tools find their way around):
     SAVE/
       latest_checkpointed_iteration.txt       the last COMPLETE iteration, written last
       iter_0000100/
-        metadata.json                         layout, model config, iteration, args
+        metadata.json                         layout, model config, iteration, args, file checksums
+        metadata.json.sha256                  metadata.json's own checksum (checkpoint_metadata)
         mp_rank_{tp:02d}_{pp:03d}/
           model.safetensors                   this rank's shards of every model chunk,
                                               keys "model{chunk}.{parameter name}"; the
@@ -22,7 +23,10 @@ if killed between the two renames; the next save clears such debris. A save that
 write (ENOSPC, ...) removes its partial directory and raises CheckpointError on every rank.
 
 Integrity (``checkpoint_integrity``): metadata.json records each file's SHA-256, size and
-writer's (TP, PP, DP) rank; loads verify them and read ``.pt`` files with weights_only=True.
+writer's (TP, PP, DP) rank; loads verify them and read ``.pt`` files with weights_only=True. Every file
+is read only inside its iteration directory: a name with ``..`` or an absolute path, or a symlink
+leaving the directory, is refused. ``SAVE/parallel3d_save.lock`` keeps a second job out while a run
+saves (checkpoint_lock).
 """
 from __future__ import annotations
 
@@ -30,7 +34,6 @@ import json
 import os
 import re
 import shutil
-import warnings
 from dataclasses import asdict, is_dataclass
 from typing import Any, Optional, Sequence
 
@@ -46,7 +49,9 @@ from parallel3d.training.checkpoint_integrity import (
     CheckpointError,
     CheckpointWarning,
     check_file,
-    check_save_dir_writable,  # noqa: F401 - part of this module's API (pretrain calls it)
+    check_save_dir_writable,
+    check_shard_header,
+    confined_path,  # noqa: F401 - part of this module's API (pretrain calls it)
     load_torch_file,
     safetensors_save_hashed,
     torch_save_hashed,
@@ -54,18 +59,22 @@ from parallel3d.training.checkpoint_integrity import (
     write_error,
     write_json,
 )
+from parallel3d.training.checkpoint_metadata import (  # noqa: F401 - this module's API too
+    FORMAT_VERSION,
+    LATEST_FILE,
+    METADATA_FILE,
+    find_checkpoint_dir,
+    iteration_dir,
+    open_checkpoint,
+    read_latest_iteration,
+    read_metadata,
+    write_metadata,
+)
 from parallel3d.device import default_device
 from parallel3d.model_chunk import unwrap
 from parallel3d.tensor_parallel import get_cuda_rng_tracker
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-METADATA_FILE = "metadata.json"
-FORMAT_VERSION = 1
 _DEBRIS = re.compile(r"^iter_\d+\.(tmp|old)$")
-
-
-def iteration_dir(save_dir: str, iteration: int) -> str:
-    return os.path.join(save_dir, f"iter_{iteration:07d}")
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int) -> str:
@@ -182,7 +191,8 @@ def _write_rank_files(tmp: str, model: Sequence[torch.nn.Module], opt_state: Any
             rel = f"{rdir}/model.safetensors"
             path = os.path.join(tmp, rel)
             records[rel] = safetensors_save_hashed(path, tensors, {
-                "tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION)})
+                "tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION),
+                "tp_rank": str(ranks["tp_rank"]), "pp_rank": str(ranks["pp_rank"])})
             del tensors
             state = {"optimizer": opt_state,
                      "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None}
@@ -212,7 +222,7 @@ def _commit(save_dir: str, tmp: str, final: str, iteration: int, meta: dict[str,
             with open(os.path.join(checksums, name)) as f:
                 files.update(json.load(f))
         meta[FILES_KEY] = files
-        write_json(path, meta)
+        write_metadata(tmp, meta)
         shutil.rmtree(checksums)
         for sub in os.listdir(tmp):
             if os.path.isdir(os.path.join(tmp, sub)):
@@ -305,56 +315,6 @@ def save_checkpoint(
     return final
 
 
-def read_latest_iteration(load_dir: str) -> Optional[int]:
-    """The last complete iteration under ``load_dir``, or None when there is no checkpoint."""
-    path = os.path.join(load_dir, LATEST_FILE)
-    if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load directory {load_dir!r} does not exist")
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(64)
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
-    text = raw.decode("ascii", errors="replace").strip()
-    if not text.isdigit() or not text.isascii():
-        raise CheckpointError(f"{path} is corrupt: expected an iteration number, found {raw[:40]!r}")
-    return int(text)
-
-
-def find_checkpoint_dir(load_dir: str, iteration: int) -> str:
-    """``iter_N`` of ``load_dir``; or ``iter_N.old``, with a warning, where a re-save of N was killed between
-    swapping the old copy out and the new one in."""
-    ckpt_dir = iteration_dir(load_dir, iteration)
-    old = ckpt_dir + ".old"
-    if not os.path.isdir(ckpt_dir) and os.path.isfile(os.path.join(old, METADATA_FILE)):
-        warnings.warn(f"{ckpt_dir} is missing (a re-save was interrupted): loading its previous copy {old}",
-                      CheckpointWarning, stacklevel=2)
-        return old
-    if not os.path.isdir(ckpt_dir):
-        raise CheckpointError(f"{ckpt_dir} is missing although {os.path.join(load_dir, LATEST_FILE)} names "
-                              f"iteration {iteration}")
-    return ckpt_dir
-
-
-def read_metadata(ckpt_dir: str) -> dict[str, Any]:
-    path = os.path.join(ckpt_dir, METADATA_FILE)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{ckpt_dir} is not a complete checkpoint: {METADATA_FILE} is missing")
-    try:
-        with open(path, "rb") as f:
-            meta = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is corrupt: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        version = meta.get("format_version") if isinstance(meta, dict) else None
-        raise CheckpointError(f"{path}: format version {version} is not {FORMAT_VERSION}")
-    if not isinstance(meta.get("layout"), dict) or not isinstance(meta.get(FILES_KEY, {}), dict):
-        raise CheckpointError(f"{path} is corrupt: its layout or file list is not a JSON object")
-    return meta
-
-
 def check_compatible(meta: dict[str, Any], model_config: Any, ckpt_dir: str) -> None:
     """Refuse a checkpoint of another layout or another model, naming the difference."""
     have, want = meta["layout"], _layout()
@@ -368,23 +328,28 @@ def check_compatible(meta: dict[str, Any], model_config: Any, ckpt_dir: str) -> 
     check = getattr(model_config, "checkpoint_mismatches", None)  # the model's own rule (model_chunk.py)
     diffs = check(meta["model_config"]) if check is not None and meta.get("model_config") else []
     if diffs:
-        raise CheckpointError(f"{ckpt_dir} holds another model: " + "; ".join(diffs))
+        raise CheckpointError(f"{ckpt_dir} holds another model: " + "; ".join(diffs) + ". Give this run the "
+                              "checkpoint's settings, or --use-checkpoint-args to take them from it")
 
 
 def load_model_shards(ckpt_dir: str, tp_rank: int, pp_rank: int,
                       meta: Optional[dict[str, Any]] = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """This (TP, PP) rank's tensors and their TP splits, after checking the file's checksum and ranks."""
     rel = f"{rank_dir_name(tp_rank, pp_rank)}/model.safetensors"
-    path = os.path.join(ckpt_dir, rel)
+    path = confined_path(ckpt_dir, rel)
     if not os.path.exists(path):
         raise CheckpointError(f"missing shard {path} (tp_rank={tp_rank}, pp_rank={pp_rank})")
-    check_file(ckpt_dir, read_metadata(ckpt_dir) if meta is None else meta, rel, tp_rank=tp_rank, pp_rank=pp_rank)
+    meta = read_metadata(ckpt_dir) if meta is None else meta
+    check_file(ckpt_dir, meta, rel, tp_rank=tp_rank, pp_rank=pp_rank)
     try:
         with safe_open(path, framework="pt") as f:
-            splits = json.loads((f.metadata() or {}).get("tensor_parallel_splits", "{}"))
-            return {k: f.get_tensor(k) for k in f.keys()}, splits
+            header = f.metadata() or {}
+            splits = json.loads(header.get("tensor_parallel_splits", "{}"))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
         raise CheckpointError(f"cannot read {path}: {e}") from e
+    check_shard_header(path, header, meta, tp_rank, pp_rank)
+    return tensors, splits
 
 
 def load_model_state(chunks: Sequence[torch.nn.Module], tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -424,12 +389,9 @@ def load_checkpoint(
 
     Every file is verified against its recorded checksum first; every error is a CheckpointError naming the file.
     """
-    if iteration is None:
-        iteration = read_latest_iteration(load_dir)
-        if iteration is None:
-            return 0, {}
-    ckpt_dir = find_checkpoint_dir(load_dir, iteration)
-    meta = read_metadata(ckpt_dir)
+    if iteration is None and read_latest_iteration(load_dir) is None:
+        return 0, {}
+    iteration, ckpt_dir, meta = open_checkpoint(load_dir, iteration)
     check_compatible(meta, model_config, ckpt_dir)
     st = parallel_state.resolve_parallel_state()
     tp_rank, pp_rank = st.tensor_model_parallel_rank, st.pipeline_model_parallel_rank
@@ -440,7 +402,7 @@ def load_checkpoint(
     load_model_state(model, tensors, ckpt_dir)
     if optimizer is not None and load_optimizer:
         rel = f"{rank_dir_name(tp_rank, pp_rank)}/optimizer.pt"
-        path = os.path.join(ckpt_dir, rel)
+        path = confined_path(ckpt_dir, rel)
         if not os.path.exists(path):
             raise CheckpointError(f"missing optimizer state {path}")
         state = load_torch_file(check_file(ckpt_dir, meta, rel, tp_rank=tp_rank, pp_rank=pp_rank))
@@ -453,7 +415,7 @@ def load_checkpoint(
                                   f"{type(e).__name__}: {e}") from e
     if load_rng:
         rel = f"rng/rank_{_global_rank():05d}.pt"
-        path = os.path.join(ckpt_dir, rel)
+        path = confined_path(ckpt_dir, rel)
         if not os.path.exists(path):
             raise CheckpointError(f"missing RNG state {path} (saved with fewer ranks, e.g. a smaller data-parallel "
                                   "size?). Model and optimizer state do not depend on the data-parallel "
@@ -474,12 +436,7 @@ def verify_checkpoint(load_dir: str, iteration: Optional[int] = None) -> tuple[s
     See ``checkpoint_integrity.verify_files``. Raises CheckpointError when not even the tracker or
     metadata.json can be read.
     """
-    if iteration is None:
-        iteration = read_latest_iteration(load_dir)
-        if iteration is None:
-            raise CheckpointError(f"{load_dir} holds no checkpoint ({LATEST_FILE} is missing)")
-    ckpt_dir = find_checkpoint_dir(load_dir, iteration)
-    meta = read_metadata(ckpt_dir)
+    _, ckpt_dir, meta = open_checkpoint(load_dir, iteration)
     layout = meta["layout"]
     shards = [f"{rank_dir_name(t, p)}/model.safetensors" for t in range(layout["tensor_model_parallel_size"])
               for p in range(layout["pipeline_model_parallel_size"])]

@@ -98,7 +98,7 @@ def load_for_training(config: Any, model: Sequence[torch.nn.Module], optimizer: 
         return 0, 0, 0
     load_optim = not (ckpt.no_load_optim or ckpt.finetune)
     load_rng = not (ckpt.no_load_rng or ckpt.finetune)
-    saved = checkpointing.read_metadata(checkpointing.find_checkpoint_dir(ckpt.load, latest)).get("args") or {}
+    saved = checkpointing.open_checkpoint(ckpt.load, latest)[2].get("args") or {}
     for what, skipped, flag in (("optimizer", load_optim and saved.get("no_save_optim"), "--no-load-optim"),
                                 ("RNG", load_rng and saved.get("no_save_rng"), "--no-load-rng")):
         if skipped:

@@ -40,6 +40,7 @@ from parallel3d.distributed import DistributedDataParallel, OptimizerParamSchedu
 from parallel3d.pipeline import forward_backward
 from parallel3d.pipeline.schedules import placement_of, virtual_stage
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
+from parallel3d.training.checkpoint_lock import save_dir_guard
 from parallel3d.training.training_config import TrainingConfig, as_training_config
 from parallel3d.training.training_guards import ExitSignalHandler, StepGuard
 
@@ -389,7 +390,8 @@ def pretrain(
     if config.checkpoint.save:  # an unwritable --save fails now, not at the first save hours in
         checkpointing.check_save_dir_writable(config.checkpoint.save)
     # Installed before the slow setup, so an early SIGTERM still ends in a save after iteration 1.
-    with ExitSignalHandler(default_device()) if config.loop.exit_signal_handler else contextlib.nullcontext() \
+    with save_dir_guard(config.checkpoint.save), \
+            ExitSignalHandler(default_device()) if config.loop.exit_signal_handler else contextlib.nullcontext() \
             as exit_signal:
         return _pretrain(config, model_provider, forward_step_func, datasets_provider, model_config, layer_numbers,
                          exit_signal)

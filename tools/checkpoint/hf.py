@@ -28,7 +28,7 @@ import torch
 from parallel3d.models.config import TransformerConfig
 from parallel3d.training.safetensors_stream import StreamingSafetensorsWriter
 
-from .hf_files import SAFETENSORS_FILE, TensorFiles, confined_path
+from .hf_files import SAFETENSORS_FILE, TensorFiles, confined_path, read_json_object
 from .schema import ConversionError
 
 CONFIG_FILE = "config.json"
@@ -47,9 +47,10 @@ def read_hf_config(load_dir: str) -> tuple[str, dict[str, Any]]:
     path = confined_path(load_dir, CONFIG_FILE)
     if not os.path.isfile(path):
         raise ConversionError(f"{load_dir} is not a Hugging Face model directory: {CONFIG_FILE} is missing")
-    with open(path) as f:
-        cfg = json.load(f)
+    cfg = read_json_object(path)
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConversionError(f"{path}: field 'architectures' must be a list of class names, found {archs!r:.60}")
     if archs:
         arch = archs[0]
         if arch not in SUPPORTED:
@@ -118,10 +119,10 @@ def transformer_config_from_hf(family: str, cfg: dict[str, Any], dtype: torch.dt
             hidden_dropout=0.0, attention_dropout=cfg.get("attention_dropout", 0.0),
             init_method_std=cfg.get("initializer_range", 0.02), params_dtype=dtype,
         )
-    except ValueError as e:
+    except (ValueError, TypeError, AttributeError) as e:  # a field of the wrong type, or out of range
         if isinstance(e, ConversionError):
             raise
-        raise ConversionError(f"{where}: the model config is invalid: {e}") from e
+        raise ConversionError(f"{where}: the model config is invalid: {type(e).__name__}: {e}") from None
 
 
 def hf_family(config: TransformerConfig) -> str:

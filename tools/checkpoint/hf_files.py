@@ -37,6 +37,8 @@ def confined_path(load_dir: str, name: str, listed_in: Optional[str] = None) -> 
     """``load_dir``/``name``, refused (ConversionError) if it leaves ``load_dir``: an absolute path, a ``..``
     component, or a symlink resolving outside it (an index.json is input, not trusted to point anywhere)."""
     where = f"{listed_in} lists weight file {name!r}" if listed_in else f"{name!r}"
+    if not name or "\x00" in name:
+        raise ConversionError(f"{where}: not a file name")
     if os.path.isabs(name) or name.startswith("~"):
         raise ConversionError(f"{where}: an absolute path; only files inside {load_dir} are read")
     if ".." in name.replace("\\", "/").split("/"):
@@ -47,6 +49,20 @@ def confined_path(load_dir: str, name: str, listed_in: Optional[str] = None) -> 
         raise ConversionError(f"{path} resolves to {real}, outside {load_dir} (a symlink leaving the model "
                               "directory); refusing to read it")
     return path
+
+
+def read_json_object(path: str) -> dict[str, Any]:
+    """A JSON object from ``path`` (config.json, an index): one ConversionError line naming the file otherwise."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(64 << 20).decode("utf-8"))
+    except OSError as e:
+        raise ConversionError(f"cannot read {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ConversionError(f"{path} is not valid UTF-8 JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} must hold a JSON object, found a {type(data).__name__}")
+    return data
 
 
 class TensorFiles:
@@ -65,8 +81,7 @@ class TensorFiles:
                     raise ConversionError(f"{load_dir}: weight shard {name} listed in {index} is missing")
                 self._open(path)
             if index is not None:
-                with open(confined_path(load_dir, index)) as f:
-                    weight_map = json.load(f).get("weight_map", {})
+                weight_map = read_json_object(confined_path(load_dir, index)).get("weight_map", {})
                 absent = sorted(k for k in weight_map if k not in self.shapes)
                 if absent:
                     raise ConversionError(f"{load_dir}: {index} lists tensors its shards do not hold: {absent[:5]}")
@@ -79,8 +94,7 @@ class TensorFiles:
         for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             path = confined_path(load_dir, index)
             if os.path.isfile(path):
-                with open(path) as f:
-                    weight_map = json.load(f).get("weight_map")
+                weight_map = read_json_object(path).get("weight_map")
                 if not weight_map or not isinstance(weight_map, dict):
                     raise ConversionError(f"{path} has no weight_map")
                 bad = sorted({repr(v) for v in weight_map.values() if not isinstance(v, str)})

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from parallel3d.models.config import TransformerConfig
-from parallel3d.training.checkpoint_integrity import FILES_KEY, check_file
+from parallel3d.training.checkpoint_integrity import FILES_KEY, check_file, check_shard_header, confined_path
 from parallel3d.training.checkpointing import (
     FORMAT_VERSION,
     LATEST_FILE,
@@ -36,11 +36,10 @@ from parallel3d.training.checkpointing import (
     _atomic_write_text,
     _fsync_dir,
     _to_jsonable,
-    find_checkpoint_dir,
     iteration_dir,
+    open_checkpoint,
     rank_dir_name,
-    read_latest_iteration,
-    read_metadata,
+    write_metadata,
 )
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.pipeline.schedules import stage_location, virtual_stage
@@ -103,19 +102,26 @@ def expected_rank_tensors(config: TransformerConfig, counts: list[int], pp_rank:
     return out
 
 
+def _read_splits(f: Any, path: str) -> dict[str, str]:
+    """A shard file's ``tensor_parallel_splits`` header entry: {tensor name: "partition_dim,stride"}."""
+    raw = (f.metadata() or {}).get("tensor_parallel_splits", "{}")
+    try:
+        splits = json.loads(raw)
+    except (ValueError, RecursionError):
+        splits = None
+    if not isinstance(splits, dict) or not all(isinstance(v, str) for v in splits.values()):
+        raise ConversionError(f"{path}: its tensor_parallel_splits metadata is not a JSON object of "
+                              f"'partition_dim,stride' strings: {raw[:60]!r}")
+    return splits
+
+
 class Parallel3dLoader:
     """Units of a parallel3d checkpoint (the latest iteration under ``load_dir``)."""
 
     def __init__(self, load_dir: str):
         try:
-            iteration = read_latest_iteration(load_dir)
-        except CheckpointError as e:
-            raise ConversionError(str(e)) from e
-        if iteration is None:
-            raise ConversionError(f"{load_dir} holds no parallel3d checkpoint ({LATEST_FILE} is missing)")
-        try:
-            self.ckpt_dir = ckpt = find_checkpoint_dir(load_dir, iteration)
-            meta = read_metadata(ckpt)
+            iteration, self.ckpt_dir, meta = open_checkpoint(load_dir)
+            ckpt = self.ckpt_dir
         except CheckpointError as e:
             raise ConversionError(str(e)) from e
         self.iteration, self.extra = iteration, dict(meta.get("extra") or {})
@@ -132,7 +138,11 @@ class Parallel3dLoader:
 
         expected = {rank_dir_name(t, p) for t in range(tp) for p in range(pp)}
         present = {d for d in os.listdir(ckpt) if d.startswith("mp_rank_")}
-        missing = sorted(d for d in expected if not os.path.isfile(os.path.join(ckpt, d, MODEL_FILE)))
+        try:  # a symlink leaving the checkpoint is refused before anything about its target is looked at
+            shard_paths = {d: confined_path(ckpt, f"{d}/{MODEL_FILE}") for d in expected}
+        except CheckpointError as e:
+            raise ConversionError(str(e)) from e
+        missing = sorted(d for d in expected if not os.path.isfile(shard_paths[d]))
         if missing:
             raise ConversionError(f"{ckpt}: missing shard file(s) {[os.path.join(d, MODEL_FILE) for d in missing]} "
                                   f"of the saved layout TP={tp} x PP={pp}")
@@ -147,9 +157,8 @@ class Parallel3dLoader:
         try:
             for t in range(tp):
                 for p in range(pp):
-                    path = os.path.join(ckpt, rank_dir_name(t, p), MODEL_FILE)
                     try:  # its checksum first: a converter must not spread flipped bits into a new checkpoint
-                        check_file(ckpt, meta, f"{rank_dir_name(t, p)}/{MODEL_FILE}", tp_rank=t, pp_rank=p)
+                        path = check_file(ckpt, meta, f"{rank_dir_name(t, p)}/{MODEL_FILE}", tp_rank=t, pp_rank=p)
                     except CheckpointError as e:
                         raise ConversionError(str(e)) from e
                     try:
@@ -157,7 +166,11 @@ class Parallel3dLoader:
                     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
                         raise ConversionError(f"cannot read {path}: {e}") from e
                     self._files[t, p] = f
-                    self._splits[t, p] = json.loads((f.metadata() or {}).get("tensor_parallel_splits", "{}"))
+                    try:
+                        check_shard_header(path, f.metadata(), meta, t, p)
+                    except CheckpointError as e:
+                        raise ConversionError(str(e)) from e
+                    self._splits[t, p] = _read_splits(f, path)
             self.placement = self._placement(saved_split(meta, pp))
             self._counts = self._layer_counts()
             self._check_files()
@@ -292,7 +305,8 @@ class Parallel3dSaver:
                     splits = {k: spec.split for k, (spec, _, _) in want.items() if spec.split is not None}
                     self._writers[t, p] = StreamingSafetensorsWriter(
                         os.path.join(rdir, MODEL_FILE), entries,
-                        metadata={"tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION)})
+                        metadata={"tensor_parallel_splits": json.dumps(splits), "format_version": str(FORMAT_VERSION),
+                                  "tp_rank": str(t), "pp_rank": str(p)})
                     for key, (spec, unit, index) in want.items():
                         name = key.split(".", 1)[1]  # drop "model{chunk}."
                         if unit == "layer":
@@ -343,11 +357,7 @@ class Parallel3dSaver:
             "extra": _to_jsonable(self.extra),
             FILES_KEY: files,
         }
-        path = os.path.join(self.ckpt_dir, METADATA_FILE)
-        with open(path, "w") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        write_metadata(self.ckpt_dir, meta)
         for sub in os.listdir(self.ckpt_dir):
             _fsync_dir(os.path.join(self.ckpt_dir, sub))
         _fsync_dir(self.ckpt_dir)
