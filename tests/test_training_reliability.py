@@ -134,6 +134,18 @@ def test_occasional_fp16_skips_do_not_stop():
     assert result["iteration"] == 20 and result["optimizer"].num_steps >= 1
 
 
+def test_gradients_underflowing_to_zero_stop_the_run():
+    """fp16 with a loss scale so small the scaled loss underflows: the norm is exactly 0 at every step."""
+    from parallel3d.training.training_guards import ZERO_GRAD_STOP_ITERS
+    with pytest.raises(TrainingError, match=rf"iteration {ZERO_GRAD_STOP_ITERS}: the gradient norm was exactly 0 "
+                                            rf"for the last {ZERO_GRAD_STOP_ITERS} iterations \(fp16 loss scale "
+                                            r"1e-10: .*--loss-scale"):
+        _train(["--fp16", "--loss-scale", "1e-10", "--train-iters", "50"])
+    guard = StepGuard(validate_args(parse_args(TINY), 1))
+    for it in range(1, 3 * ZERO_GRAD_STOP_ITERS):  # zeros that are not consecutive never stop a run
+        guard.check(it, {"lm loss": 2.0}, 0.0 if it % ZERO_GRAD_STOP_ITERS else 1.0, False, model=[])
+
+
 # ---------------------------------------------------------------- multi-process helpers
 
 
