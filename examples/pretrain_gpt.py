@@ -44,6 +44,7 @@ from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.pipeline.layout import LayoutError, layer_partition_from_args  # noqa: E402
 from parallel3d.pipeline.schedules import placement_of  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
+from parallel3d.lifetime import exit_with_launcher  # noqa: E402
 from parallel3d.training import initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
 from parallel3d.training.training_config import TrainingConfig  # noqa: E402
 from parallel3d.training.training_guards import errors_as_one_line  # noqa: E402
@@ -221,6 +222,7 @@ def sample_continuation(model: list, tokenizer, config: TransformerConfig, promp
 
 
 def main(argv=None) -> dict:
+    exit_with_launcher()  # a worker must not outlive a killed torchrun (parallel3d/lifetime.py)
     args = parse_args(argv, extra_args_provider=add_example_args)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:

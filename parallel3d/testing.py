@@ -63,6 +63,9 @@ def _child(fn: Callable, rank: int, world_size: int, store_dir: str, args: Seque
     import torch
     import torch.distributed as dist
 
+    from parallel3d.lifetime import exit_with_launcher
+
+    exit_with_launcher(always=True)  # the forkserver's child: ends with it (a killed pytest ends it)
     os.environ.update(env)
     torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription makes gloo crawl
     stop = threading.Event()

@@ -18,6 +18,8 @@ from functools import partial
 import pytest
 import torch
 
+import torchrun
+
 from parallel3d.training import checkpointing
 from parallel3d.training.arguments import parse_args, validate_args
 from parallel3d.training import pretrain
@@ -149,60 +151,11 @@ def test_gradients_underflowing_to_zero_stop_the_run():
 # ---------------------------------------------------------------- multi-process helpers
 
 
-def _launch(nproc: int, argv: list, tmp_path, extra_env=None) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PARALLEL3D_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    env.update(extra_env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT,
-           *argv]
-    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=open(tmp_path / "out.txt", "w"),
-                            stderr=open(tmp_path / "err.txt", "w"), start_new_session=True)
+def _launch(nproc: int, argv: list, tmp_path, extra_env=None):
+    return torchrun.start(nproc, SCRIPT, argv, tmp_path, extra_env)
 
 
-def _workers(agent: subprocess.Popen) -> dict:
-    """{global rank: pid} of the agent's worker processes (its children with RANK in their environment)."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != agent.pid:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            found[int(env[b"RANK"])] = int(pid)
-        except (OSError, KeyError, ValueError, IndexError):
-            continue
-    return found
-
-
-def _wait_for(path, text: str, agent: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if text in path.read_text():
-            return
-        assert agent.poll() is None, f"exited early:\n{path.read_text()[-3000:]}"
-        time.sleep(0.1)
-    raise AssertionError(f"{text!r} not seen in {timeout} s:\n{path.read_text()[-3000:]}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _cleanup(agent: subprocess.Popen, pids) -> None:
-    for pid in pids:  # a stopped worker ignores everything but SIGKILL until continued
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-    if agent.poll() is None:
-        os.killpg(agent.pid, signal.SIGKILL)
-    agent.wait(timeout=30)
+_workers, _wait_for, _alive, _cleanup = torchrun.workers, torchrun.wait_for, torchrun.alive, torchrun.cleanup
 
 
 # ---------------------------------------------------------------- 8: a hung rank
