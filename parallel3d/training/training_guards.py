@@ -161,7 +161,8 @@ class ExitSignalHandler:
         if dist.is_initialized():
             with waiting_for("the exit-signal all-reduce (--exit-signal-handler)", "all ranks"):
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.exiting = bool(flag.item())
+                flag = flag.item()  # NCCL: the host waits here
+        self.exiting = bool(flag)
         if self.exiting:
             # From here on ignore the signal at the OS level (a Python handler is reset when the interpreter
             # shuts down): a second SIGTERM, the launcher's or one reaching this rank after the others agreed
