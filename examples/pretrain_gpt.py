@@ -66,10 +66,13 @@ def add_example_args(parser: argparse.ArgumentParser) -> None:
 
 
 def default_data_prefix(tokenizer, tokenizer_id: str) -> str:
-    """Tokenize the Python documentation topics once (rank 0) into a Megatron indexed dataset."""
+    """Tokenize the Python documentation topics once per node (local rank 0) into a Megatron indexed dataset."""
     cache = os.environ.get("PARALLEL3D_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "parallel3d"))
     prefix = os.path.join(cache, f"pydoc_topics_{tokenizer_id}_text_document")
-    if (not dist.is_initialized() or dist.get_rank() == 0) and not os.path.exists(prefix + ".idx"):
+    # Each node's first process builds it (PARALLEL3D_CACHE may be node-local); on a shared cache two nodes
+    # write identical files through renames of per-process temporaries.
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
+    if local_rank == 0 and not os.path.exists(prefix + ".idx"):
         from pydoc_data.topics import topics
 
         os.makedirs(cache, exist_ok=True)
@@ -80,7 +83,7 @@ def default_data_prefix(tokenizer, tokenizer_id: str) -> str:
             tokens = tokenizer.tokenize(text) + [tokenizer.eod]
             builder.add_document(tokens, [len(tokens)])
         builder.finalize(prefix + ".idx")  # .bin/.idx appear by rename: never half-written
-        print_rank_0(f"built the default dataset {prefix} from pydoc_data.topics ({len(paragraphs)} documents)")
+        print(f"built the default dataset {prefix} from pydoc_data.topics ({len(paragraphs)} documents)", flush=True)
     if dist.is_initialized():
         dist.barrier()
     return prefix
