@@ -224,6 +224,29 @@ def test_sigterm_saves_and_exits_zero_and_resume_continues(tmp_path):
     assert f"loaded {ckpt} at iteration {saved}" in out and f"iteration {saved + 2:6d}/{saved + 2}" in out, out
 
 
+def test_sigterm_to_the_launcher_saves_the_last_iteration(tmp_path):
+    """The documented launcher path (docs/reliability.md): torchrun forwards SIGTERM to every worker, which
+    finish the iteration, save it and exit 0 within torchrun's 30 s shutdown (torchrun itself exits 1)."""
+    ckpt = tmp_path / "ckpt"
+    agent = _launch(2, TINY + ["--tensor-model-parallel-size", "2", "--log-interval", "1", "--exit-signal-handler",
+                               "--save", str(ckpt), "--save-interval", "1000", "--train-iters", "100000"], tmp_path)
+    workers = {}
+    try:
+        _wait_for(tmp_path / "out.txt", "iteration      3/", agent, 180)
+        workers = _workers(agent)
+        agent.send_signal(signal.SIGTERM)
+        rc = agent.wait(timeout=60)
+    finally:
+        _cleanup(agent, workers.values())
+    out, err = (tmp_path / "out.txt").read_text(), (tmp_path / "err.txt").read_text()
+    saved = checkpointing.read_latest_iteration(str(ckpt))
+    assert saved and saved >= 3, err[-3000:]
+    assert f"exiting after iteration {saved}: received SIGTERM" in out and f"saved checkpoint of iteration {saved}" \
+        in out, out[-2000:]
+    assert "error: rank" not in err, err[-3000:]  # the workers ended cleanly; torchrun's own status (1) is torch's
+    assert rc is not None
+
+
 # ---------------------------------------------------------------- 6, 21, 22 through the real script
 
 
