@@ -235,7 +235,7 @@ def test_sigterm_to_the_launcher_saves_the_last_iteration(tmp_path):
         _wait_for(tmp_path / "out.txt", "iteration      3/", agent, 180)
         workers = _workers(agent)
         agent.send_signal(signal.SIGTERM)
-        rc = agent.wait(timeout=60)
+        agent.wait(timeout=60)
     finally:
         _cleanup(agent, workers.values())
     out, err = (tmp_path / "out.txt").read_text(), (tmp_path / "err.txt").read_text()
@@ -244,7 +244,6 @@ def test_sigterm_to_the_launcher_saves_the_last_iteration(tmp_path):
     assert f"exiting after iteration {saved}: received SIGTERM" in out and f"saved checkpoint of iteration {saved}" \
         in out, out[-2000:]
     assert "error: rank" not in err, err[-3000:]  # the workers ended cleanly; torchrun's own status (1) is torch's
-    assert rc is not None
 
 
 # ---------------------------------------------------------------- 6, 21, 22 through the real script
