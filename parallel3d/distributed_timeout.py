@@ -170,10 +170,10 @@ def group_peers(group: Optional[dist.ProcessGroup]) -> Callable[[], list[int]]:
 def _watch(grace_s: float, census_s: float, poll_s: float) -> None:
     while True:
         time.sleep(poll_s)
-        blocks, since = _IN_FLIGHT.blocks, _IN_FLIGHT.since
-        waited = time.monotonic() - since
-        if blocks and waited > _TIMEOUT_S + grace_s:
-            _end_hung_process(blocks[-1], waited, grace_s, census_s)
+        waited = time.monotonic() - _IN_FLIGHT.since
+        innermost = _IN_FLIGHT.blocks[-1:]  # a slice: the main thread may pop the last block meanwhile
+        if innermost and waited > _TIMEOUT_S + grace_s:
+            _end_hung_process(innermost[0], waited, grace_s, census_s)
 
 
 def _end_hung_process(block: waiting_for, waited: float, grace_s: float, census_s: float) -> None:
