@@ -6,13 +6,15 @@ none of them, and a ``kill -9`` of torchrun leaves them training and saving besi
 
 - Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills this process when the *thread* that
   started it exits. torchrun's agent starts its workers from its main thread, which lives as long as
-  the agent; the test harness's forkserver does the same. SIGKILL, not SIGTERM: under
-  ``--exit-signal-handler`` a SIGTERM would start a save beside the next launch, and a process
-  blocked in a collective runs no Python signal handler. Saves are kill-safe (``iter_N.tmp``).
+  the agent. SIGKILL, not SIGTERM: under ``--exit-signal-handler`` a SIGTERM would start a save beside
+  the next launch, and a process blocked in a collective runs no Python signal handler. Saves are
+  kill-safe (``iter_N.tmp``).
 - elsewhere (no prctl): a daemon thread polls ``os.getppid()`` every ``POLL_S`` seconds and, once the
   process has been re-parented (its launcher is gone), writes one line and ``os._exit(1)``s.
+  ``exit_with_process(pid)`` polls the same way for a launcher that is not the parent (the test
+  harness's workers are children of a forkserver, which lives as long as they do).
 
-Only under a launcher (torchrun sets ``TORCHELASTIC_RUN_ID``) unless ``always``: a plain
+Only under a launcher (torchrun sets ``TORCHELASTIC_RUN_ID``): a plain
 ``python pretrain_gpt.py`` under ``nohup`` must outlive the shell that started it.
 """
 from __future__ import annotations
@@ -46,23 +48,47 @@ def _orphaned(parent: int) -> None:
     os._exit(1)  # no cleanup: atexit handlers and destructors could wait on peers that are gone too
 
 
-def _watch(parent: int) -> None:
-    while os.getppid() == parent:
+def _watch(alive, pid: int) -> None:
+    while alive():
         time.sleep(POLL_S)
-    _orphaned(parent)
+    _orphaned(pid)
 
 
-def exit_with_launcher(always: bool = False, use_prctl: bool = sys.platform.startswith("linux")) -> bool:
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc (not Linux): kill(pid, 0) said it exists
+
+
+def _start_watch(alive, pid: int) -> None:
+    threading.Thread(target=_watch, args=(alive, pid), name="parallel3d-launcher-watch", daemon=True).start()
+
+
+def exit_with_process(pid: int) -> None:
+    """End this process when process ``pid``, not its parent, ends (polled): the test harness's workers are
+    children of a forkserver that lives as long as they do, and must end with the test process behind it."""
+    _start_watch(lambda: _exists(pid), pid)
+
+
+def exit_with_launcher(use_prctl: bool = sys.platform.startswith("linux")) -> bool:
     """End this process when its parent (the launcher) dies; True if armed.
 
-    ``always``: arm without a launcher in the environment (the test harness's workers).
     ``use_prctl=False`` forces the polling thread (what other platforms get).
     """
-    if not always and LAUNCHER_ENV not in os.environ:
+    if LAUNCHER_ENV not in os.environ:
         return False
     parent = os.getppid()
     if not (use_prctl and _set_parent_death_signal(signal.SIGKILL)):
-        threading.Thread(target=_watch, args=(parent,), name="parallel3d-launcher-watch", daemon=True).start()
+        _start_watch(lambda: os.getppid() == parent, parent)
     if os.getppid() != parent:  # the launcher died before the guard was armed
         _orphaned(parent)
     return True

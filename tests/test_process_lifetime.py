@@ -93,3 +93,45 @@ def test_no_launcher_no_guard(tmp_path):
     finally:
         if env_had is not None:
             os.environ[lifetime.LAUNCHER_ENV] = env_had
+
+
+_HARNESS = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, os.environ["ROOT"])
+    from parallel3d.testing import run_distributed
+
+
+    def worker(rank, world_size, out_dir):
+        with open(os.path.join(out_dir, f"pid{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(600)
+
+
+    if __name__ == "__main__":
+        run_distributed(worker, 2, args=(sys.argv[1],), timeout=600)
+""")
+
+
+def test_the_test_harness_workers_die_with_a_killed_test_process(tmp_path):
+    """parallel3d/testing.py's workers (children of its forkserver) end when the pytest process is SIGKILLed."""
+    script = tmp_path / "harness.py"
+    script.write_text(_HARNESS)
+    harness = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=dict(os.environ, ROOT=ROOT))
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1) if (tmp_path / f"pid{r}").exists()
+                    and (tmp_path / f"pid{r}").read_text()]
+        assert len(pids) == 2, "the workers did not start"
+        harness.kill()
+        harness.wait()
+        left = _gone_within(pids, DIE_WITHIN_S)
+        assert not left, f"harness workers {left} outlived the killed test process by {DIE_WITHIN_S} s"
+    finally:
+        for pid in pids:
+            if torchrun.alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if harness.poll() is None:
+            harness.kill()
