@@ -44,6 +44,7 @@ from parallel3d.pipeline.partition import partition_layers  # noqa: E402
 from parallel3d.pipeline.layout import LayoutError, layer_partition_from_args  # noqa: E402
 from parallel3d.pipeline.schedules import placement_of  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
+from parallel3d.lifetime import exit_with_launcher  # noqa: E402
 from parallel3d.training import initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
 from parallel3d.training.training_config import TrainingConfig  # noqa: E402
 from parallel3d.training.training_guards import errors_as_one_line  # noqa: E402
@@ -65,10 +66,13 @@ def add_example_args(parser: argparse.ArgumentParser) -> None:
 
 
 def default_data_prefix(tokenizer, tokenizer_id: str) -> str:
-    """Tokenize the Python documentation topics once (rank 0) into a Megatron indexed dataset."""
+    """Tokenize the Python documentation topics once per node (local rank 0) into a Megatron indexed dataset."""
     cache = os.environ.get("PARALLEL3D_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "parallel3d"))
     prefix = os.path.join(cache, f"pydoc_topics_{tokenizer_id}_text_document")
-    if (not dist.is_initialized() or dist.get_rank() == 0) and not os.path.exists(prefix + ".idx"):
+    # Each node's first process builds it (PARALLEL3D_CACHE may be node-local); on a shared cache two nodes
+    # write identical files through renames of per-process temporaries.
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
+    if local_rank == 0 and not os.path.exists(prefix + ".idx"):
         from pydoc_data.topics import topics
 
         os.makedirs(cache, exist_ok=True)
@@ -79,7 +83,7 @@ def default_data_prefix(tokenizer, tokenizer_id: str) -> str:
             tokens = tokenizer.tokenize(text) + [tokenizer.eod]
             builder.add_document(tokens, [len(tokens)])
         builder.finalize(prefix + ".idx")  # .bin/.idx appear by rename: never half-written
-        print_rank_0(f"built the default dataset {prefix} from pydoc_data.topics ({len(paragraphs)} documents)")
+        print(f"built the default dataset {prefix} from pydoc_data.topics ({len(paragraphs)} documents)", flush=True)
     if dist.is_initialized():
         dist.barrier()
     return prefix
@@ -221,6 +225,7 @@ def sample_continuation(model: list, tokenizer, config: TransformerConfig, promp
 
 
 def main(argv=None) -> dict:
+    exit_with_launcher()  # a worker must not outlive a killed torchrun (parallel3d/lifetime.py)
     args = parse_args(argv, extra_args_provider=add_example_args)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:

@@ -38,4 +38,4 @@ def all_ranks_ok(ok: bool, what: str) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=default_device())
     with waiting_for(what, "every rank"):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+        return bool(flag.item())  # NCCL: the host waits here, inside the block

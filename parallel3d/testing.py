@@ -59,10 +59,13 @@ def _watchdog(rank: int, seconds: float, results: Any, stop: threading.Event) ->
 
 
 def _child(fn: Callable, rank: int, world_size: int, store_dir: str, args: Sequence, timeout: float,
-           results: Any, env: dict) -> None:
+           results: Any, env: dict, caller: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from parallel3d.lifetime import exit_with_process
+
+    exit_with_process(caller)  # a killed test process must not leave its ranks running
     os.environ.update(env)
     torch.set_num_threads(1)  # N ranks share 2 cores: oversubscription makes gloo crawl
     stop = threading.Event()
@@ -112,7 +115,7 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_child,
-                args=(fn, r, world_size, store_dir, tuple(args), timeout, results, dict(env or {})),
+                args=(fn, r, world_size, store_dir, tuple(args), timeout, results, dict(env or {}), os.getpid()),
                 daemon=True,
             )
             for r in range(world_size)

@@ -18,6 +18,8 @@ from functools import partial
 import pytest
 import torch
 
+import torchrun
+
 from parallel3d.training import checkpointing
 from parallel3d.training.arguments import parse_args, validate_args
 from parallel3d.training import pretrain
@@ -134,63 +136,26 @@ def test_occasional_fp16_skips_do_not_stop():
     assert result["iteration"] == 20 and result["optimizer"].num_steps >= 1
 
 
+def test_gradients_underflowing_to_zero_stop_the_run():
+    """fp16 with a loss scale so small the scaled loss underflows: the norm is exactly 0 at every step."""
+    from parallel3d.training.training_guards import ZERO_GRAD_STOP_ITERS
+    with pytest.raises(TrainingError, match=rf"iteration {ZERO_GRAD_STOP_ITERS}: the gradient norm was exactly 0 "
+                                            rf"for the last {ZERO_GRAD_STOP_ITERS} iterations \(fp16 loss scale "
+                                            r"1e-10: .*--loss-scale"):
+        _train(["--fp16", "--loss-scale", "1e-10", "--train-iters", "50"])
+    guard = StepGuard(validate_args(parse_args(TINY), 1))
+    for it in range(1, 3 * ZERO_GRAD_STOP_ITERS):  # zeros that are not consecutive never stop a run
+        guard.check(it, {"lm loss": 2.0}, 0.0 if it % ZERO_GRAD_STOP_ITERS else 1.0, False, model=[])
+
+
 # ---------------------------------------------------------------- multi-process helpers
 
 
-def _launch(nproc: int, argv: list, tmp_path, extra_env=None) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PARALLEL3D_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    env.update(extra_env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT,
-           *argv]
-    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=open(tmp_path / "out.txt", "w"),
-                            stderr=open(tmp_path / "err.txt", "w"), start_new_session=True)
+def _launch(nproc: int, argv: list, tmp_path, extra_env=None):
+    return torchrun.start(nproc, SCRIPT, argv, tmp_path, extra_env)
 
 
-def _workers(agent: subprocess.Popen) -> dict:
-    """{global rank: pid} of the agent's worker processes (its children with RANK in their environment)."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != agent.pid:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            found[int(env[b"RANK"])] = int(pid)
-        except (OSError, KeyError, ValueError, IndexError):
-            continue
-    return found
-
-
-def _wait_for(path, text: str, agent: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if text in path.read_text():
-            return
-        assert agent.poll() is None, f"exited early:\n{path.read_text()[-3000:]}"
-        time.sleep(0.1)
-    raise AssertionError(f"{text!r} not seen in {timeout} s:\n{path.read_text()[-3000:]}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _cleanup(agent: subprocess.Popen, pids) -> None:
-    for pid in pids:  # a stopped worker ignores everything but SIGKILL until continued
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-    if agent.poll() is None:
-        os.killpg(agent.pid, signal.SIGKILL)
-    agent.wait(timeout=30)
+_workers, _wait_for, _alive, _cleanup = torchrun.workers, torchrun.wait_for, torchrun.alive, torchrun.cleanup
 
 
 # ---------------------------------------------------------------- 8: a hung rank
@@ -257,6 +222,28 @@ def test_sigterm_saves_and_exits_zero_and_resume_continues(tmp_path):
     out = (tmp_path / "out.txt").read_text()
     assert rc == 0, (tmp_path / "err.txt").read_text()[-3000:]
     assert f"loaded {ckpt} at iteration {saved}" in out and f"iteration {saved + 2:6d}/{saved + 2}" in out, out
+
+
+def test_sigterm_to_the_launcher_saves_the_last_iteration(tmp_path):
+    """The documented launcher path (docs/reliability.md): torchrun forwards SIGTERM to every worker, which
+    finish the iteration, save it and exit 0 within torchrun's 30 s shutdown (torchrun itself exits 1)."""
+    ckpt = tmp_path / "ckpt"
+    agent = _launch(2, TINY + ["--tensor-model-parallel-size", "2", "--log-interval", "1", "--exit-signal-handler",
+                               "--save", str(ckpt), "--save-interval", "1000", "--train-iters", "100000"], tmp_path)
+    workers = {}
+    try:
+        _wait_for(tmp_path / "out.txt", "iteration      3/", agent, 180)
+        workers = _workers(agent)
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+    finally:
+        _cleanup(agent, workers.values())
+    out, err = (tmp_path / "out.txt").read_text(), (tmp_path / "err.txt").read_text()
+    saved = checkpointing.read_latest_iteration(str(ckpt))
+    assert saved and saved >= 3, err[-3000:]
+    assert f"exiting after iteration {saved}: received SIGTERM" in out and f"saved checkpoint of iteration {saved}" \
+        in out, out[-2000:]
+    assert "error: rank" not in err, err[-3000:]  # the workers ended cleanly; torchrun's own status (1) is torch's
 
 
 # ---------------------------------------------------------------- 6, 21, 22 through the real script

@@ -3,6 +3,10 @@
 ``run(nproc, argv, timeout, env)`` starts ``python -m torch.distributed.run`` in a new session, reads
 its output line by line with the time each line arrived, and kills the whole session (torchrun and
 every worker) at ``timeout``, so a hung job fails the test in bounded time and leaves nothing behind.
+
+``start(...)`` launches without waiting (output to ``out.txt``/``err.txt``) for tests that act on a
+running job: ``workers`` finds its worker processes by rank, ``wait_for`` a line, ``alive`` a pid,
+and ``cleanup`` (in a ``finally``) kills everything started, SIGSTOPped workers included.
 """
 import dataclasses
 import os
@@ -54,3 +58,60 @@ def run(nproc: int, argv: list, timeout: float, env: dict | None = None) -> Laun
     exited_at = time.monotonic() - start
     reader.join(timeout=10)
     return Launch(proc.returncode, lines, exited_at)
+
+
+def start(nproc: int, script: str, argv: list, tmp_path, extra_env: dict | None = None,
+          launcher_args: tuple = ("--standalone",), name: str = "") -> subprocess.Popen:
+    """torchrun ``script argv`` in ``tmp_path`` (PARALLEL3D_CACHE there), stdout/stderr to ``{name}out.txt``/``err``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARALLEL3D_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    env.update(extra_env or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, f"--nproc-per-node={nproc}", script, *argv]
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=open(tmp_path / f"{name}out.txt", "w"),
+                            stderr=open(tmp_path / f"{name}err.txt", "w"), start_new_session=True)
+
+
+def workers(agent: subprocess.Popen) -> dict:
+    """{global rank: pid} of the agent's worker processes (its children with RANK in their environment)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != agent.pid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            found[int(env[b"RANK"])] = int(pid)
+        except (OSError, KeyError, ValueError, IndexError):
+            continue
+    return found
+
+
+def wait_for(path, text: str, agent: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in path.read_text():
+            return
+        assert agent.poll() is None, f"exited early:\n{path.read_text()[-3000:]}"
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not seen in {timeout} s:\n{path.read_text()[-3000:]}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def cleanup(agent: subprocess.Popen, pids) -> None:
+    for pid in pids:  # a stopped worker ignores everything but SIGKILL until continued
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    if agent.poll() is None:
+        os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait(timeout=30)

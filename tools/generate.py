@@ -42,6 +42,7 @@ from parallel3d.training.checkpointing import (  # noqa: E402
     open_checkpoint,
 )
 from parallel3d.data import build_tokenizer  # noqa: E402
+from parallel3d.lifetime import exit_with_launcher  # noqa: E402
 from parallel3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
 from parallel3d.models.generation import check_generation_args, generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
@@ -166,6 +167,7 @@ def _initialize(config: TransformerConfig) -> torch.device:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    exit_with_launcher()  # a worker must not outlive a killed torchrun (parallel3d/lifetime.py)
     args = get_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:

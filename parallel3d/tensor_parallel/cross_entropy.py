@@ -18,7 +18,7 @@ import torch.distributed as dist
 from parallel3d import fused
 
 from .mappings import all_reduce
-from .utils import group_rank_and_size, resolve_tp_group
+from .utils import group_rank_and_size, resolve_tp_group, tp_collective
 
 
 def loss_bytes_per_logit(tensor_parallel: bool) -> tuple[float, float]:
@@ -70,7 +70,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         logits_max = logits.max(dim=-1)[0]
         if world > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            with tp_collective("all-reduce of the logits' maximum (vocab-parallel cross entropy)", group):
+                dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         logits = logits - logits_max.unsqueeze(-1)
 
         outside = (target < start) | (target >= start + part)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
 from . import wgrad_store
 from .mappings import gather_along_first_dim
-from .utils import group_rank_and_size, resolve_tp_group
+from .utils import group_rank_and_size, resolve_tp_group, tp_collective
 
 
 def weight_gradient(weight: torch.Tensor, total_x_2d: torch.Tensor, grad_output_2d: torch.Tensor,
@@ -89,7 +89,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             handle = all_gather_into_tensor(total_x, x.contiguous(), group=group, async_op=True)
         grad_input = grad_output.matmul(weight)
         if handle is not None:
-            handle.wait()
+            with tp_collective("all-gather of the sequence-parallel input", group):
+                handle.wait()
 
         handle = None
         if size == 1:
@@ -109,7 +110,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
 
         if handle is not None:
-            handle.wait()
+            with tp_collective("reduce of the input gradient", group):
+                handle.wait()
         if ctx.sequence_parallel and size > 1:
             grad_input = sub_grad_input
         return grad_input, grad_weight, grad_bias, None, None, None, None

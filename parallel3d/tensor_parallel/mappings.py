@@ -14,14 +14,15 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
-from .utils import group_rank_and_size, resolve_tp_group
+from .utils import group_rank_and_size, resolve_tp_group, tp_collective
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return x
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    with tp_collective("all-reduce", group):
+        dist.all_reduce(x, group=group)
     return x
 
 
@@ -42,7 +43,8 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     # all_gather_into_tensor concatenates along dim 0; move the dim there and back.
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((size * moved.size(0),) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_into_tensor(out, moved, group=group)
+    with tp_collective("all-gather", group):
+        all_gather_into_tensor(out, moved, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -54,7 +56,8 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"sequence length {x.size(0)} is not divisible by the TP size {size}")
     x = x.contiguous()
     out = torch.empty((x.size(0) // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_tensor(out, x, group=group)
+    with tp_collective("reduce-scatter", group):
+        reduce_scatter_tensor(out, x, group=group)
     return out
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d import parallel_state
+from parallel3d.distributed_timeout import group_peers, waiting_for
 
 
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
@@ -19,6 +20,11 @@ def divide(numerator: int, denominator: int, what: str = "value") -> int:
 def resolve_tp_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     """The explicit group if given, else the default TP group (None: one process without torch.distributed)."""
     return group if group is not None else parallel_state.resolve_parallel_state().tensor_model_parallel_group
+
+
+def tp_collective(what: str, group: dist.ProcessGroup) -> waiting_for:
+    """The ``waiting_for`` block of a tensor-parallel collective: a timeout names it and the TP group's ranks."""
+    return waiting_for(f"a tensor-parallel {what} (a TP layer's forward or backward)", group_peers(group))
 
 
 def group_rank_and_size(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:

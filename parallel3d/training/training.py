@@ -33,7 +33,7 @@ import torch.distributed as dist
 from parallel3d import parallel_state, progress
 from parallel3d.training import checkpointing, megatron_runtime
 from parallel3d.device import default_backend, default_device
-from parallel3d.distributed_timeout import CommunicationError, set_timeout, waiting_for
+from parallel3d.distributed_timeout import CommunicationError, prepare_process_groups, start_watchdog, waiting_for
 from parallel3d.data import build_pretraining_data_loader
 from parallel3d.distributed import DistributedDataParallel, OptimizerParamScheduler, finalize_model_grads, \
     get_megatron_optimizer
@@ -73,14 +73,15 @@ def initialize_distributed(config: TrainingConfig | argparse.Namespace) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # Megatron's --distributed-timeout-minutes: gloo's 30 min default would stall every rank that long.
-    timeout = datetime.timedelta(minutes=loop.distributed_timeout_minutes)
+    # NCCL's groups get a longer timeout than ours: our watchdog names the hung operation first (distributed_timeout).
+    timeout = prepare_process_groups(backend, datetime.timedelta(minutes=loop.distributed_timeout_minutes))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
-    set_timeout(timeout)
     parallel_state.initialize_model_parallel(
         layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
         layout.virtual_pipeline_model_parallel_size, timeout=timeout,
     )
+    start_watchdog()
     # Megatron's _set_random_seed: one seed per pipeline stage for the CPU generator (weights are
     # initialised there) and the device's, TP streams inside the tracker.
     seed = loop.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
@@ -181,7 +182,9 @@ class LossAverager:
         if dist.is_initialized():
             with waiting_for("the loss all-reduce", "all ranks"):
                 dist.all_reduce(vec)  # sum over the ranks that reported, divided by their count below
-        values = vec.tolist()
+                values = vec.tolist()  # NCCL: the host waits here, inside the block the watchdog names
+        else:
+            values = vec.tolist()
         count = max(values[-1], 1.0)
         return {k: values[i] / count for i, k in enumerate(self.keys)}
 

@@ -4,7 +4,9 @@
   (both already host floats, identical on every rank) and stop on a non-finite value
   (Megatron's ``--check-for-nan-in-loss-and-grad``), or skip up to
   ``--skip-nonfinite-iters`` of them; stop after ``--max-consecutive-skipped-iters``
-  skipped iterations in a row (an fp16 loss scale that overflows every step).
+  skipped iterations in a row (an fp16 loss scale that overflows every step); stop when the
+  gradient norm is exactly 0 for ``ZERO_GRAD_STOP_ITERS`` iterations in a row (gradients that
+  underflow to zero, e.g. a tiny fp16 loss scale: nothing learns, as useless as a NaN).
 - ``ExitSignalHandler``: Megatron's ``--exit-signal-handler`` (remember SIGTERM, agree
   on it across ranks once per iteration).
 - ``errors_as_one_line``: a script's fatal error as one ``error: rank N: ...`` line.
@@ -24,6 +26,12 @@ import torch.distributed as dist
 from parallel3d import parallel_state
 from parallel3d.distributed_timeout import CommunicationError, waiting_for
 from parallel3d.model_chunk import unwrap
+
+
+# Iterations in a row whose gradient norm is exactly 0 before the run stops. A real model's norm is
+# never exactly 0 at two steps in a row, and a few steps let a legitimately empty batch pass (all
+# tokens masked); Megatron has no such check, so it follows the NaN check's switch.
+ZERO_GRAD_STOP_ITERS = 5
 
 
 class TrainingError(RuntimeError):
@@ -81,6 +89,7 @@ class StepGuard:
         self.max_consecutive = args.max_consecutive_skipped_iters
         self.nonfinite = 0
         self.consecutive_skipped = 0
+        self.consecutive_zero_grad = 0
 
     def check(self, iteration: int, loss: dict[str, float], grad_norm: Optional[float], skipped: bool,
               model: Sequence[torch.nn.Module], loss_scale: Optional[float] = None) -> bool:
@@ -113,6 +122,13 @@ class StepGuard:
                                 f"skipped{scale} (gradients overflowed or were not finite every time); lower "
                                 "--loss-scale / --initial-loss-scale, check the weights for overflow, or raise "
                                 "--max-consecutive-skipped-iters")
+        self.consecutive_zero_grad = self.consecutive_zero_grad + 1 if grad_norm == 0.0 else 0
+        if self.check_nan and self.consecutive_zero_grad >= ZERO_GRAD_STOP_ITERS:
+            scale = f" (fp16 loss scale {loss_scale:g}: the scaled gradients underflow)" if loss_scale else ""
+            raise TrainingError(f"iteration {iteration}: the gradient norm was exactly 0 for the last "
+                                f"{self.consecutive_zero_grad} iterations{scale}: the weights no longer change. "
+                                "Raise --loss-scale / --initial-loss-scale, check the loss mask and the data, or "
+                                "pass --no-check-for-nan-in-loss-and-grad")
         return bad
 
 
@@ -145,7 +161,8 @@ class ExitSignalHandler:
         if dist.is_initialized():
             with waiting_for("the exit-signal all-reduce (--exit-signal-handler)", "all ranks"):
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.exiting = bool(flag.item())
+                flag = flag.item()  # NCCL: the host waits here
+        self.exiting = bool(flag)
         if self.exiting:
             # From here on ignore the signal at the OS level (a Python handler is reset when the interpreter
             # shuts down): a second SIGTERM, the launcher's or one reaching this rank after the others agreed

@@ -1,0 +1,137 @@
+"""Workers die with their launcher (parallel3d/lifetime.py): a SIGKILLed torchrun leaves no worker behind."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import torchrun
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1", "--eval-interval", "1000",
+        "--no-progress-bar", "--train-iters", "100000"]
+DIE_WITHIN_S = 5.0
+
+
+def _gone_within(pids, seconds: float) -> list:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(torchrun.alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if torchrun.alive(p)]
+
+
+def test_workers_die_when_torchrun_is_sigkilled(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    agent = torchrun.start(2, SCRIPT, TINY + ["--tensor-model-parallel-size", "2", "--save", str(ckpt),
+                                              "--save-interval", "2"], tmp_path)
+    workers = {}
+    try:
+        torchrun.wait_for(tmp_path / "out.txt", "iteration      3/", agent, 180)
+        workers = torchrun.workers(agent)
+        assert sorted(workers) == [0, 1], workers
+        os.kill(agent.pid, signal.SIGKILL)  # torchrun alone: its workers live in sessions of their own
+        agent.wait(timeout=10)
+        left = _gone_within(list(workers.values()), DIE_WITHIN_S)
+        assert not left, f"workers {left} outlived the SIGKILLed torchrun by {DIE_WITHIN_S} s"
+    finally:
+        torchrun.cleanup(agent, workers.values())
+
+
+_CHAIN = textwrap.dedent("""
+    import os, subprocess, sys, time
+    if sys.argv[1] == "launcher":  # stands in for torchrun: starts a worker in its own session, then waits
+        child = subprocess.Popen([sys.executable, __file__, "worker"], env=dict(os.environ, TORCHELASTIC_RUN_ID="t"),
+                                 start_new_session=True)
+        print(child.pid, flush=True)
+        time.sleep(600)
+    else:
+        sys.path.insert(0, os.environ["ROOT"])
+        from parallel3d import lifetime
+        lifetime.exit_with_launcher(use_prctl=os.environ["USE_PRCTL"] == "1")
+        time.sleep(600)
+""")
+
+
+def _orphan_outcome(tmp_path, use_prctl: bool):
+    """Kill a stand-in launcher with SIGKILL; return (worker pids still alive after the limit, worker stderr)."""
+    script = tmp_path / "chain.py"
+    script.write_text(_CHAIN)
+    env = dict(os.environ, ROOT=ROOT, USE_PRCTL="1" if use_prctl else "0")
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    err = open(tmp_path / "worker_err.txt", "w")
+    launcher = subprocess.Popen([sys.executable, str(script), "launcher"], env=env, stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+    worker = int(launcher.stdout.readline())
+    try:
+        time.sleep(1.0)  # the worker has armed its guard (no torch import: well under a second)
+        launcher.kill()
+        launcher.wait()
+        return _gone_within([worker], DIE_WITHIN_S), (tmp_path / "worker_err.txt").read_text()
+    finally:
+        if torchrun.alive(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_parent_death_signal_and_the_polling_fallback(tmp_path):
+    left, _ = _orphan_outcome(tmp_path, use_prctl=True)
+    assert not left, "the parent-death signal did not end the worker"
+    left, err = _orphan_outcome(tmp_path, use_prctl=False)  # other platforms: the getppid() watcher
+    assert not left, "the polling watcher did not end the worker"
+    assert "error: rank 0: the launcher (pid " in err and "is gone: exiting" in err, err
+
+
+def test_no_launcher_no_guard(tmp_path):
+    """A plain `python pretrain_gpt.py` under nohup must outlive its shell: nothing is armed without torchrun."""
+    from parallel3d import lifetime
+
+    env_had = os.environ.pop(lifetime.LAUNCHER_ENV, None)
+    try:
+        assert lifetime.exit_with_launcher() is False
+    finally:
+        if env_had is not None:
+            os.environ[lifetime.LAUNCHER_ENV] = env_had
+
+
+_HARNESS = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, os.environ["ROOT"])
+    from parallel3d.testing import run_distributed
+
+
+    def worker(rank, world_size, out_dir):
+        with open(os.path.join(out_dir, f"pid{rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(600)
+
+
+    if __name__ == "__main__":
+        run_distributed(worker, 2, args=(sys.argv[1],), timeout=600)
+""")
+
+
+def test_the_test_harness_workers_die_with_a_killed_test_process(tmp_path):
+    """parallel3d/testing.py's workers (children of its forkserver) end when the pytest process is SIGKILLed."""
+    script = tmp_path / "harness.py"
+    script.write_text(_HARNESS)
+    harness = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=dict(os.environ, ROOT=ROOT))
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1) if (tmp_path / f"pid{r}").exists()
+                    and (tmp_path / f"pid{r}").read_text()]
+        assert len(pids) == 2, "the workers did not start"
+        harness.kill()
+        harness.wait()
+        left = _gone_within(pids, DIE_WITHIN_S)
+        assert not left, f"harness workers {left} outlived the killed test process by {DIE_WITHIN_S} s"
+    finally:
+        for pid in pids:
+            if torchrun.alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if harness.poll() is None:
+            harness.kill()
