@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from parallel3d.pipeline.partition import partition_layers, virtual_stage_costs
+from parallel3d.pipeline.partition import partition_layers
+from parallel3d.pipeline.schedules import stage_location
 from parallel3d.pipeline.registry import build_schedule
 from parallel3d.pipeline.simulate import simulate
 
@@ -78,6 +79,16 @@ def test_argument_errors():
         partition_layers(4, 0)
     with pytest.raises(TypeError, match="pipeline_size must be an int"):
         partition_layers(4, 2.0)
+
+
+def virtual_stage_costs(partition, layer_costs, embedding_cost=0.0, head_cost=0.0):
+    """Cost of each [rank][chunk] (loop placement): its layers, the embedding on v=0, the head on the last v."""
+    P, V = len(partition), len(partition[0])
+    out = [[sum(layer_costs[i] for i in partition[r][c]) for c in range(V)] for r in range(P)]
+    (r0, c0), (r1, c1) = stage_location(0, P), stage_location(P * V - 1, P)
+    out[r0][c0] += embedding_cost
+    out[r1][c1] += head_cost
+    return out
 
 
 def test_balanced_moves_layers_away_from_head_and_embedding():

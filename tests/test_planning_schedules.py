@@ -1,13 +1,14 @@
 """The planner on the pipeline package's schedules: zero-bubble W timing, V placement, the layer split."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import pytest
 
-from parallel3d.pipeline.layout import layer_counts
-from parallel3d.pipeline.schedules import ZERO_BUBBLE, stage_location, virtual_stage
+from parallel3d.pipeline.layout import layers_per_virtual_stage
+from parallel3d.planning.compute import head_cost_in_layers
+from parallel3d.pipeline.registry import ZERO_BUBBLE
+from parallel3d.pipeline.schedules import stage_location, virtual_stage
 from parallel3d.planning import Layout, ModelSpec, estimate, get_cluster
 from parallel3d.planning.memory import layer_activation_bytes, memory_breakdown, rank_chunks
 from parallel3d.planning.step import stage_costs
@@ -91,10 +92,7 @@ def test_rank_chunks_follow_the_executors_layer_split(pp, schedule, per):
     balanced = _layout(pp, schedule, num_layers_per_virtual_pipeline_stage=per, micro_batch_size=4)
     even = dataclasses.replace(balanced, pipeline_split="even")
     V, placement = balanced.virtual_stages(GPT_1_3B), balanced.placement(GPT_1_3B)
-    args = argparse.Namespace(num_layers=24, hidden_size=2048, seq_length=2048, vocab_size=50257,
-                              decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
-                              pipeline_model_parallel_layout=None, pipeline_split="balanced")
-    want = layer_counts(args, pp * V, GPT_1_3B.vocab(1))
+    want = layers_per_virtual_stage(24, pp, V, head_cost=head_cost_in_layers(2048, 2048, GPT_1_3B.vocab(1)))
     got = [0] * (pp * V)
     for r in range(pp):
         for c, (layers, _, _) in enumerate(rank_chunks(GPT_1_3B, balanced, r)):
@@ -102,7 +100,6 @@ def test_rank_chunks_follow_the_executors_layer_split(pp, schedule, per):
     assert got == want and sum(got) == 24
     assert got[-1] < 24 // (pp * V)  # the stage with the output layer holds fewer layers
     assert all(layers == 24 // (pp * V) for r in range(pp) for layers, _, _ in rank_chunks(GPT_1_3B, even, r))
-    assert layer_counts(argparse.Namespace(**{**vars(args), "pipeline_split": "even"}), pp * V) is None
 
 
 def test_balanced_split_lowers_the_predicted_step():

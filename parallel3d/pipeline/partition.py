@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
-from .schedules import stage_location, virtual_stage
+from .schedules import virtual_stage
 
 
 def _to_result(counts: list[int], pipeline_size: int, virtual_size: int, placement: str) -> list[list[range]]:
@@ -28,7 +28,7 @@ def _to_result(counts: list[int], pipeline_size: int, virtual_size: int, placeme
     return [[range(starts[v], starts[v] + counts[v]) for v in row] for row in stage]
 
 
-def _even_counts(num_layers: int, num_stages: int) -> list[int]:
+def even_counts(num_layers: int, num_stages: int) -> list[int]:
     base, extra = divmod(num_layers, num_stages)
     counts = [base] * num_stages
     for v in (list(range(1, num_stages - 1)) + [0])[:extra]:  # inner stages first (see module doc)
@@ -36,7 +36,7 @@ def _even_counts(num_layers: int, num_stages: int) -> list[int]:
     return counts
 
 
-def _balanced_counts(layer_costs: Sequence[float], num_stages: int, embedding_cost: float,
+def balanced_counts(layer_costs: Sequence[float], num_stages: int, embedding_cost: float,
                      head_cost: float, allow_empty: bool) -> list[int]:
     """Contiguous split of layer_costs into num_stages parts minimising the max part cost.
 
@@ -130,22 +130,8 @@ def partition_layers(num_layers: int, pipeline_size: int, virtual_size: int = 1,
             raise ValueError(f"layer_costs has {len(layer_costs)} entries, expected num_layers={L}")
         if any(c < 0 for c in layer_costs):
             raise ValueError(f"layer_costs must be >= 0, got {list(layer_costs)}")
-        counts = _balanced_counts(layer_costs, S, float(embedding_cost), float(head_cost), allow_empty_stages)
+        counts = balanced_counts(layer_costs, S, float(embedding_cost), float(head_cost), allow_empty_stages)
     else:
-        counts = _even_counts(L, S)
+        counts = even_counts(L, S)
     return _to_result(counts, P, V, placement)
 
-
-def virtual_stage_costs(partition: list[list[range]], layer_costs: Sequence[float],
-                        embedding_cost: float = 0.0, head_cost: float = 0.0,
-                        placement: str = "loop") -> list[list[float]]:
-    """Cost of each [rank][chunk] of a partition (layer costs + embedding on v=0 + head on the last v).
-
-    Handy for simulate(stage_costs=...) after scaling into (forward, backward) times.
-    """
-    P, V = len(partition), len(partition[0])
-    out = [[sum(layer_costs[i] for i in partition[r][c]) for c in range(V)] for r in range(P)]
-    first, last = stage_location(0, P, placement), stage_location(P * V - 1, P, placement)
-    out[first[0]][first[1]] += embedding_cost
-    out[last[0]][last[1]] += head_cost
-    return out

@@ -19,11 +19,26 @@ from dataclasses import dataclass
 from parallel3d.tensor_parallel.cross_entropy import loss_bytes_per_logit
 
 from .comm import all_gather_time, all_reduce_time, group_of, reduce_scatter_time
-from .hardware import ClusterSpec
+from .hardware import FLOPS_PER_LOSS_BYTE, LAYER_OVER_GEMMS, ClusterSpec
 from .model import Layout, ModelSpec
 
 FLASH_BWD_FLOP_RATIO = 2.5  # FlashAttention-2's backward: 5 matmuls against the forward's 2
 
+
+
+def head_cost_in_layers(hidden_size: int, seq_length: int, padded_vocab_size: int,
+                        tensor_parallel: bool = False) -> float:
+    """The output layer and loss in units of one transformer layer's training time: what the balanced
+    pipeline split (parallel3d.pipeline.layout) puts on the last stage.
+
+    Layer: 72 b s h^2 + 12 b s^2 h GEMM FLOPs (QKV, projection, a 4h MLP, attention scores;
+    forward plus backward = 3x forward), times LAYER_OVER_GEMMS. Output layer: 6 b s h V FLOPs,
+    plus the loss's memory passes over the b s V logits (``loss_bytes_per_logit``) at
+    FLOPS_PER_LOSS_BYTE (both planning.hardware's).
+    """
+    h, s, V = hidden_size, seq_length, padded_vocab_size
+    loss_bytes = sum(loss_bytes_per_logit(tensor_parallel))
+    return (6 * h * V + loss_bytes * V * FLOPS_PER_LOSS_BYTE) / ((72 * h * h + 12 * s * h) * LAYER_OVER_GEMMS)
 
 @dataclass(frozen=True)
 class PassCost:
@@ -95,7 +110,7 @@ def _attention_core(model: ModelSpec, layout: Layout, cluster: ClusterSpec, elem
     b, s, d = layout.micro_batch_size, model.seq_length, model.head_dim
     heads = model.num_attention_heads // layout.tp
     peak = cluster.gemm.peak_tflops * 1e12
-    if model.attention_backend == "flash":
+    if model.attention_backend == "sdpa":
         flops = 4.0 * b * heads * s * s * d / 2  # causal: the kernel skips the masked half
         launch = cluster.kernel_launch_us * 1e-6
         return (flops / (peak * cluster.attention_fwd_efficiency) + launch,

@@ -13,7 +13,8 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
-from parallel3d.pipeline.schedules import ZERO_BUBBLE, num_warmup_microbatches
+from parallel3d.pipeline.registry import SCHEDULES, ZERO_BUBBLE
+from parallel3d.pipeline.schedules import num_warmup_microbatches
 
 from .compute import optimizer_time
 from .hardware import ClusterSpec
@@ -48,9 +49,10 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, num_gpus: int, base: Layo
         dp = num_gpus // (tp * pp)
         per_stage = model.num_layers // pp
         vps = [None] + ([v for v in _divisors(per_stage) if v < per_stage and per_stage // v <= 8] if pp > 1 else [])
-        # (virtual layers, schedule): Megatron's 1F1B / interleaved, and each zero-bubble schedule ('auto'
-        # picks among these, so it adds nothing)
-        pipelines = [(vp, None) for vp in vps] + [(None, z) for z in ZERO_BUBBLE if z != "auto" and pp > 1]
+        # (virtual layers, schedule): Megatron's 1F1B / interleaved, and each zero-bubble schedule 'auto'
+        # picks among (so 'auto' adds nothing)
+        pipelines = [(vp, None) for vp in vps] + [(None, z) for z, r in SCHEDULES.items()
+                                                  if r.splits_backward and r.auto_candidate and pp > 1]
         for mbs, (vp, schedule), rc, zero in itertools.product(micro_batch_sizes, pipelines, (None, "selective", "full"),
                                                               (False, True) if dp > 1 else (False,)):
             layout = replace(base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

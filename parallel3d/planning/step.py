@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from parallel3d.pipeline.registry import build_schedule
-from parallel3d.pipeline.schedules import V_SHAPED, Schedule
+from parallel3d.pipeline.registry import V_SHAPED
+from parallel3d.pipeline.schedules import Schedule
 from parallel3d.pipeline.simulate import SimResult, simulate
 
 from .comm import Group, all_gather_time, all_reduce_time, group_of, p2p_time, reduce_scatter_time
