@@ -16,10 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel3d.tensor_parallel.cross_entropy import loss_bytes_per_logit
-
 from .comm import all_gather_time, all_reduce_time, group_of, reduce_scatter_time
-from .hardware import FLOPS_PER_LOSS_BYTE, LAYER_OVER_GEMMS, ClusterSpec
+from .hardware import FLOPS_PER_LOSS_BYTE, LAYER_OVER_GEMMS, LOSS_BYTES_PER_LOGIT, ClusterSpec
 from .model import Layout, ModelSpec
 
 FLASH_BWD_FLOP_RATIO = 2.5  # FlashAttention-2's backward: 5 matmuls against the forward's 2
@@ -33,11 +31,11 @@ def head_cost_in_layers(hidden_size: int, seq_length: int, padded_vocab_size: in
 
     Layer: 72 b s h^2 + 12 b s^2 h GEMM FLOPs (QKV, projection, a 4h MLP, attention scores;
     forward plus backward = 3x forward), times LAYER_OVER_GEMMS. Output layer: 6 b s h V FLOPs,
-    plus the loss's memory passes over the b s V logits (``loss_bytes_per_logit``) at
+    plus the loss's memory passes over the b s V logits (LOSS_BYTES_PER_LOGIT) at
     FLOPS_PER_LOSS_BYTE (both planning.hardware's).
     """
     h, s, V = hidden_size, seq_length, padded_vocab_size
-    loss_bytes = sum(loss_bytes_per_logit(tensor_parallel))
+    loss_bytes = sum(LOSS_BYTES_PER_LOGIT[tensor_parallel])
     return (6 * h * V + loss_bytes * V * FLOPS_PER_LOSS_BYTE) / ((72 * h * h + 12 * s * h) * LAYER_OVER_GEMMS)
 
 @dataclass(frozen=True)
@@ -101,7 +99,7 @@ def _passes(cluster: ClusterSpec, nbytes: float, kernels: int) -> float:
 
 
 def _loss_passes(cluster: ClusterSpec, nbytes: float, kernels: int) -> float:
-    """The loss's passes: ``loss_bytes_per_logit`` gives effective bytes at copy bandwidth."""
+    """The loss's passes: planning.hardware.LOSS_BYTES_PER_LOGIT gives effective bytes at copy bandwidth."""
     return nbytes / (cluster.copy_gbs * 1e9) + kernels * cluster.kernel_launch_us * 1e-6
 
 
@@ -260,7 +258,7 @@ def head_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, holds_embe
     vocab = model.vocab(t) // t
     f, i, w = _linear(cluster, tokens, vocab, h, elem)
     logits = tokens * vocab
-    loss_fwd, loss_bwd = loss_bytes_per_logit(tensor_parallel=t > 1)
+    loss_fwd, loss_bwd = LOSS_BYTES_PER_LOGIT[t > 1]
     fwd = f + _passes(cluster, sp_tokens * h * 2 * elem, 2) + _loss_passes(cluster, logits * loss_fwd, 6)
     bwd_in = i + _passes(cluster, sp_tokens * h * 3 * elem, 2) + _loss_passes(cluster, logits * loss_bwd, 4)
     if not model.untie_embeddings_and_output_weights:
