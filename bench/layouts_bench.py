@@ -75,7 +75,8 @@ def predict(name: str, cluster) -> tuple[float, float]:
 
     gpus, both, ours_only, _ = RUNS[name]
     _, args = gpt_bench.bench_args(both + ours_only, world=gpus)
-    est = estimate(ModelSpec.from_args(args), Layout.from_args(args), cluster)
+    model = ModelSpec.from_config(gpt_bench.pretrain_gpt.transformer_config_from_args(args))
+    est = estimate(model, Layout.from_args(args), cluster)
     return est.step_time_s, est.memory[-1].peak / GIB
 
 

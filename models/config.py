@@ -255,32 +255,10 @@ class TransformerConfig:
         pp, vp, layers = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size, self.num_layers
         first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
         check_virtual_pipeline_size(pp, vp)
-        chunks = vp or 1
-        if first is None and last is None:
-            # Any total: a layout string or the balanced split places the layers (the model takes its
-            # layer_numbers); the even split is checked where it is asked for (layers_per_virtual_stage).
-            return
-        if pp == 1:
-            raise ValueError("num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1")
-        for name, n in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
-            if n is None:
-                continue
-            if not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be a positive integer, got {n!r}")
-            if n % chunks != 0:
-                raise ValueError(f"{name} ({n}) is not divisible by virtual_pipeline_model_parallel_size ({chunks})")
-        middle_stages = pp - (first is not None) - (last is not None)
-        middle_layers = layers - (first or 0) - (last or 0)
-        if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
-            raise ValueError(
-                f"num_layers ({layers}) does not match num_layers_in_first_pipeline_stage ({first}) + "
-                f"num_layers_in_last_pipeline_stage ({last}) with {middle_stages} other stage(s)"
-            )
-        if middle_stages > 0 and middle_layers % (middle_stages * chunks) != 0:
-            raise ValueError(
-                f"the {middle_layers} layers left for the {middle_stages} middle pipeline stage(s) are not divisible "
-                f"by {middle_stages} x virtual_pipeline_model_parallel_size ({chunks}) = {middle_stages * chunks}"
-            )
+        # Any total without first/last: a layout string or the balanced split places the layers (the model takes
+        # its layer_numbers); the even split is checked where it is asked for (layers_per_virtual_stage).
+        if first is not None or last is not None:
+            layers_per_virtual_stage(layers, pp, vp or 1, first_stage_layers=first, last_stage_layers=last)
 
     # --- derived quantities ---------------------------------------------------------------------
     @property

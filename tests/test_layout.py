@@ -89,8 +89,9 @@ def test_layout_string_wins_then_explicit_first_last():
     assert layer_counts(2, first_stage_layers=10) == [10, 14]
     # Megatron's uneven split over virtual stages: the first/last rank's layers spread over its chunks
     assert layers_per_virtual_stage(10, 3, 2, first_stage_layers=2, last_stage_layers=4) == [1, 2, 2, 1, 2, 2]
-    with pytest.raises(LayoutError, match=r"--num-layers \(5\) minus the first/last stage layers \(2, None\) does "
-                                          r"not split evenly over the 2 other pipeline stages"):
+    with pytest.raises(LayoutError, match=r"the 3 layers left for the 2 middle pipeline stage\(s\) are not divisible"):
         layer_counts(3, 5, first_stage_layers=2)
+    with pytest.raises(LayoutError, match=r"the 0 layers left for the 1 middle pipeline stage\(s\) .* \(or are none\)"):
+        layer_counts(3, 4, first_stage_layers=2, last_stage_layers=2)
     with pytest.raises(LayoutError, match=r"3 layers cannot fill 4 virtual stages"):
         layer_counts(4, 3)

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from gpt_harness import pretrain_gpt
 from parallel3d.pipeline.layout import layers_per_virtual_stage
 from parallel3d.planning.compute import head_cost_in_layers
 from parallel3d.pipeline.registry import ZERO_BUBBLE
@@ -126,7 +127,7 @@ def _parsed(*extra: str):
 ])
 def test_layout_from_args_round_trip(extra, schedule, split, V):
     args = _parsed(*extra)
-    model, layout = ModelSpec.from_args(args), Layout.from_args(args)
+    model, layout = ModelSpec.from_config(pretrain_gpt.transformer_config_from_args(args)), Layout.from_args(args)
     assert (layout.pipeline_schedule, layout.pipeline_split, layout.virtual_stages(model)) == (schedule, split, V)
     assert layout.virtual_stages(model) == (args.virtual_pipeline_model_parallel_size or 1)
     assert (layout.pp, layout.dp, layout.num_microbatches) == (
@@ -167,17 +168,13 @@ def test_linear_extension_holds_for_zero_bubble_schedules(name, V, monkeypatch):
 ])
 def test_planner_places_the_layers_where_training_does(argv, world):
     """The planner's layer split is pretrain_gpt's, TP's loss (a larger head cost) included."""
-    import sys
-    import os
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import pretrain_gpt
     from parallel3d.planning.memory import layer_partition
 
     gpt = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
            "--vocab-size", "50257", "--micro-batch-size", "4"]
     args = validate_args(parse_args(gpt + argv, extra_args_provider=pretrain_gpt.add_example_args), world)
-    training = pretrain_gpt.layer_partition(args, pretrain_gpt.transformer_config_from_args(args))
-    assert layer_partition(ModelSpec.from_args(args), Layout.from_args(args)) == training
+    config = pretrain_gpt.transformer_config_from_args(args)
+    assert layer_partition(ModelSpec.from_config(config), Layout.from_args(args)) == pretrain_gpt.layer_partition(args, config)
 
 
 def test_interleaved_memory_counts_each_held_chunk_by_its_own_layers():

@@ -81,15 +81,25 @@ def _balanced_uniform(num_layers: int, num_stages: int, head: float) -> tuple[in
 
 
 def _first_last_counts(L: int, P: int, V: int, first: Optional[int], last: Optional[int]) -> list[int]:
-    """Megatron's uneven split: the first/last pipeline rank hold ``first``/``last`` layers, the other
-    ranks share the rest evenly; each rank's layers spread evenly over its V chunks."""
+    """Megatron's uneven split (num_layers_in_first/last_pipeline_stage, --decoder-first/last-pipeline-num-layers):
+    the first/last pipeline rank hold ``first``/``last`` layers, the other ranks share the rest evenly;
+    each rank's layers spread evenly over its V chunks."""
+    if P == 1:
+        raise LayoutError("num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1")
+    for which, n in (("first", first), ("last", last)):
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise LayoutError(f"num_layers_in_{which}_pipeline_stage must be a positive integer, got {n!r}")
+        if n is not None and n % V:
+            raise LayoutError(f"num_layers_in_{which}_pipeline_stage ({n}) is not divisible by "
+                              f"virtual_pipeline_model_parallel_size ({V})")
     middle = P - (first is not None) - (last is not None)
     inner = L - (first or 0) - (last or 0)
-    if (inner < 0 or (middle and (inner % (middle * V) or inner < middle * V)) or (not middle and inner)
-            or (first or 0) % V or (last or 0) % V):
-        chunks = f" x {V} model chunks" if V > 1 else ""
-        raise LayoutError(f"--num-layers ({L}) minus the first/last stage layers ({first}, {last}) does not split "
-                          f"evenly over the {middle} other pipeline stages{chunks}")
+    if inner < 0 or (middle == 0 and inner != 0):
+        raise LayoutError(f"num_layers ({L}) does not match num_layers_in_first_pipeline_stage ({first}) + "
+                          f"num_layers_in_last_pipeline_stage ({last}) with {middle} other stage(s)")
+    if middle and (inner % (middle * V) or inner == 0):
+        raise LayoutError(f"the {inner} layers left for the {middle} middle pipeline stage(s) are not divisible by "
+                          f"{middle} x virtual_pipeline_model_parallel_size ({V}) = {middle * V} (or are none)")
     per_rank = [inner // middle if middle else 0] * P
     if first is not None:
         per_rank[0] = first

@@ -45,10 +45,6 @@ def auto_candidates(P: int, M: int, V: int) -> list[str]:
             if r.auto_candidate and V in r.chunks and M >= r.min_microbatches(P)]
 
 
-def default_num_model_chunks(name: str) -> int:
-    return schedule_record(name).chunks[0]
-
-
 def placement_of(name: Optional[str], num_model_chunks: int = 1) -> str:
     """Where a schedule puts each rank's chunks: what the model must be built for ('loop' for no name).
 
@@ -92,7 +88,7 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_model_
     'auto' also those of :func:`parallel3d.pipeline.auto_schedule.auto_schedule` (measured times,
     memory limit), which win over the shape's.
     """
-    V = default_num_model_chunks(name) if num_model_chunks is None else num_model_chunks
+    V = schedule_record(name).chunks[0] if num_model_chunks is None else num_model_chunks
     shape = kw.pop("hidden_size", None), kw.pop("seq_length", None)
     group_size = kw.pop("microbatch_group_size_per_vp_stage", None)
     if schedule_record(name).build is None:

@@ -165,15 +165,10 @@ _H100_COMMON = dict(
 # forward + 7.5 ms backward) at PP=4.
 FLOPS_PER_LOSS_BYTE = 200.0
 LAYER_OVER_GEMMS = 1.1
-# Effective bytes the loss moves per logit element, (forward, backward), at copy bandwidth, by whether it
-# runs tensor-parallel: the loss is memory-bound, and on GPT-1.3B it cost more than its logits GEMM.
-# - TP > 1, the vocab-parallel algorithm: 64 and 24, measured whole on H100 (the last pipeline stage's
-#   forward and backward minus the logits GEMMs, BENCHMARKS.md); about 1.4x / 1.1x the bytes its passes
-#   count (fp32 copy, mask, max, shift, exp, sum, divide; clone, scale, cast).
-# - TP = 1, the fused kernel (the default on CUDA): forward reads each bf16 logit once (2), backward reads
-#   it and writes its gradient (4); measured on H100 (bench/kernels_bench.py, [8192, 50304] and
-#   [8192, 128256]): 2.2 and 4.2. (Its PyTorch fallback, on CPUs or with the kernels off, moves about
-#   30 and 18.)
+# Effective bytes the memory-bound loss moves per logit element, (forward, backward), at copy bandwidth, by
+# whether it runs tensor-parallel, measured on H100 (BENCHMARKS.md): TP > 1, the vocab-parallel algorithm,
+# whole (the last stage's forward and backward minus the logits GEMMs); TP = 1, the fused kernel
+# (bench/kernels_bench.py; it reads a bf16 logit once forward, reads it and writes its gradient backward).
 LOSS_BYTES_PER_LOGIT = {True: (64.0, 24.0), False: (2.2, 4.2)}
 
 PRESETS: dict[str, ClusterSpec] = {

@@ -62,23 +62,6 @@ class ModelSpec:
             "untie_embeddings_and_output_weights", "max_position_embeddings", "make_vocab_size_divisible_by",
             "hidden_dropout", "attention_backend")})
 
-    @classmethod
-    def from_args(cls, args, **overrides) -> "ModelSpec":
-        """From parallel3d's (Megatron's) parsed arguments, e.g. those bench/gpt_bench.py builds."""
-        get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-        fields = dict(
-            num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-            seq_length=args.seq_length, vocab_size=args.vocab_size, num_query_groups=get("num_query_groups"),
-            ffn_hidden_size=get("ffn_hidden_size"), kv_channels=get("kv_channels"), swiglu=bool(get("swiglu")),
-            add_bias_linear=not get("disable_bias_linear", False), normalization=get("normalization", "LayerNorm"),
-            position_embedding_type=get("position_embedding_type", "learned_absolute"),
-            untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
-            max_position_embeddings=get("max_position_embeddings"),
-            make_vocab_size_divisible_by=get("make_vocab_size_divisible_by", 128),
-            padded_vocab_size=get("padded_vocab_size"), hidden_dropout=get("hidden_dropout", 0.0) or 0.0)
-        fields.update(overrides)
-        return cls(**fields)
-
     # Derived sizes (per whole model, before TP).
     @property
     def query_groups(self) -> int:
