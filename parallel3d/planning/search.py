@@ -20,7 +20,7 @@ from .compute import optimizer_time
 from .hardware import ClusterSpec
 from .memory import memory_breakdown, params_on_rank
 from .model import Layout, ModelSpec
-from .step import StepEstimate, _dp_time, estimate, stage_costs
+from .step import StepEstimate, dp_time, estimate, stage_costs
 
 
 @dataclass
@@ -81,7 +81,7 @@ def lower_bound(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> tuple
         work = M * sum(c.forward + c.backward for c in row)
         window = sum(c.backward for c in row)
         n = params_on_rank(model, layout, rank)
-        best = max(best, start + work + _dp_time(model, layout, cluster, rank, window) + optimizer_time(n, layout, cluster))
+        best = max(best, start + work + dp_time(model, layout, cluster, rank, window) + optimizer_time(n, layout, cluster))
         start += row[0].forward
         # The most (microbatch, chunk) forwards a rank holds: its warm-up plus the first steady one.
         # (A zero-bubble schedule's count is only known from its simulation: 1, a lower bound.)

@@ -167,7 +167,7 @@ def simulate_pipeline(name: str, P: int, M: int, V: int, costs: StageTimes, comm
     return PipelineTiming(extend(r1.makespan, r2.makespan), finish, busy, r2.peak_inflight, r2)
 
 
-def _dp_time(model: ModelSpec, layout: Layout, cluster: ClusterSpec, rank: int, overlap_window: float) -> float:
+def dp_time(model: ModelSpec, layout: Layout, cluster: ClusterSpec, rank: int, overlap_window: float) -> float:
     """Exposed gradient reduction (+ ZeRO parameter all-gather, + tied-embedding sync) of one rank."""
     n = params_on_rank(model, layout, rank)
     total = 0.0
@@ -224,7 +224,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec, breakdown: 
     ends = []
     for rank in range(P):
         window = sum(c.backward for c in costs[rank])  # one microbatch's backward on this rank
-        dp = _dp_time(model, layout, cluster, rank, window)
+        dp = dp_time(model, layout, cluster, rank, window)
         opt = optimizer_time(params_on_rank(model, layout, rank), layout, cluster)
         ends.append((timing.finish[rank] + dp + opt, rank, dp, opt))
     step, crit, dp_s, opt_s = max(ends)
