@@ -274,16 +274,10 @@ class TransformerConfig:
         even split, or Megatron's uneven one (the first/last pipeline rank hold
         num_layers_in_first/last_pipeline_stage layers, spread evenly over their chunks).
         """
-        pp, chunks = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1
-        first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
-        if first is None and last is None and self.num_layers % (pp * chunks) != 0:
-            raise ValueError(
-                f"num_layers ({self.num_layers}) is not divisible by pipeline_model_parallel_size ({pp}) x "
-                f"virtual_pipeline_model_parallel_size ({chunks}) = {pp * chunks}: no even split; set "
-                "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage, or place the layers "
-                "with a layout (--pipeline-model-parallel-layout)")
-        return layers_per_virtual_stage(self.num_layers, pp, chunks, first_stage_layers=first,
-                                        last_stage_layers=last, split="even")
+        return layers_per_virtual_stage(
+            self.num_layers, self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1,
+            first_stage_layers=self.num_layers_in_first_pipeline_stage,
+            last_stage_layers=self.num_layers_in_last_pipeline_stage, split="even")
 
     def checkpoint_mismatches(self, saved: dict[str, Any]) -> list[str]:
         """The architecture fields where a saved config (its JSON) differs from this one: checkpointing

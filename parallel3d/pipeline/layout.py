@@ -131,9 +131,10 @@ def layers_per_virtual_stage(num_layers: int, pipeline_size: int, virtual_size: 
         counts[-1] -= loss
         return stage_counts(counts, L, "--account-for-embedding/loss-in-pipeline-split")
     if split == "even" and L % S:
-        raise LayoutError(f"--pipeline-split even needs --num-layers ({L}) divisible by the {S} (virtual) pipeline "
-                          "stages; drop it for the balanced split, or place the layers with "
-                          "--pipeline-model-parallel-layout")
+        raise LayoutError(f"num_layers ({L}) is not divisible by pipeline_model_parallel_size ({P}) x "
+                          f"virtual_pipeline_model_parallel_size ({V}) = {S}: no even split (--pipeline-split even); "
+                          "drop that for the balanced split, set num_layers_in_first/last_pipeline_stage, or place "
+                          "the layers with --pipeline-model-parallel-layout")
     if L < S:
         raise LayoutError(f"{L} layers cannot fill {S} virtual stages (pipeline_size={P} x virtual_size={V}); use at "
                           f"most {L} stages, more layers, or place them with --pipeline-model-parallel-layout")
