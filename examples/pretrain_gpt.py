@@ -151,13 +151,14 @@ def layer_partition(args: argparse.Namespace, config: Optional[TransformerConfig
     if vp != 1 and (first is not None or last is not None):
         raise ArgumentError("--decoder-first/last-pipeline-num-layers need one chunk per pipeline rank")
     vocab = config.padded_vocab_size if config is not None else args.vocab_size
+    head = head_cost_in_layers(args.hidden_size, args.seq_length, vocab, args.tensor_model_parallel_size > 1)
     try:
         return pipeline_layer_partition(
             args.num_layers, pp, vp, placement_of(args.pipeline_schedule, vp),
             layout=args.pipeline_model_parallel_layout, first_stage_layers=first, last_stage_layers=last,
             account_for_embedding=args.account_for_embedding_in_pipeline_split,
             account_for_loss=args.account_for_loss_in_pipeline_split, split=args.pipeline_split,
-            head_cost=head_cost_in_layers(args.hidden_size, args.seq_length, vocab, args.tensor_model_parallel_size > 1))
+            head_cost=head)
     except LayoutError as e:
         raise ArgumentError(str(e)) from None
 

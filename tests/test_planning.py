@@ -185,8 +185,10 @@ def _built_params(config) -> int:
 
 
 @pytest.mark.parametrize("config", [
-    gpt2_config("tiny"), gpt2_config("tiny", num_query_groups=2, ffn_hidden_size=96, untie_embeddings_and_output_weights=True),
-    llama_config("tiny"), llama_config("tiny", hidden_size=96, num_attention_heads=6, num_query_groups=3, kv_channels=32),
+    gpt2_config("tiny"),
+    gpt2_config("tiny", num_query_groups=2, ffn_hidden_size=96, untie_embeddings_and_output_weights=True),
+    llama_config("tiny"),
+    llama_config("tiny", hidden_size=96, num_attention_heads=6, num_query_groups=3, kv_channels=32),
 ], ids=["gpt2", "gpt2-gqa-untied", "llama", "llama-kv-channels"])
 def test_planner_and_builder_describe_one_model(config):
     """ModelSpec.from_config counts the parameters the builder allocates and the FLOPs training reports."""

@@ -174,7 +174,8 @@ def test_planner_places_the_layers_where_training_does(argv, world):
            "--vocab-size", "50257", "--micro-batch-size", "4"]
     args = validate_args(parse_args(gpt + argv, extra_args_provider=pretrain_gpt.add_example_args), world)
     config = pretrain_gpt.transformer_config_from_args(args)
-    assert layer_partition(ModelSpec.from_config(config), Layout.from_args(args)) == pretrain_gpt.layer_partition(args, config)
+    training = pretrain_gpt.layer_partition(args, config)
+    assert layer_partition(ModelSpec.from_config(config), Layout.from_args(args)) == training
 
 
 def test_interleaved_memory_counts_each_held_chunk_by_its_own_layers():

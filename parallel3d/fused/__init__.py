@@ -8,10 +8,11 @@ loaded at import time; ``describe()`` says what a process runs.
 One rule decides what computes an op of a model: the model's config flag (Megatron's per-op
 ``*_fusion`` flags) chooses, per model, between this package's op and the model's own unfused
 composition (``models/ops.py``'s ``plain_*``, Megatron's numerics, or this package's ``*_reference``
-where they agree); inside this package's ops, ``set_fusion_enabled(False)`` or ``PARALLEL3D_DISABLE_FUSION=1`` is the process-wide override that
-runs the PyTorch fallback instead of the CUDA kernel (A/B timing, debugging). The fallbacks
-compute as the kernels do (fp32 statistics and math for bf16/fp16 inputs); the ``plain_*``
-compositions differ on purpose where Megatron's unfused path does (see models/ops.py).
+where they agree); inside this package's ops, ``set_fusion_enabled(False)`` or
+``PARALLEL3D_DISABLE_FUSION=1`` is the process-wide override that runs the PyTorch fallback instead
+of the CUDA kernel (A/B timing, debugging). The fallbacks compute as the kernels do (fp32 statistics
+and math for bf16/fp16 inputs); the ``plain_*`` compositions differ on purpose where Megatron's
+unfused path does (see models/ops.py).
 """
 from parallel3d.fused._ext import describe, fusion_enabled, set_fusion_enabled
 from parallel3d.fused.bias_dropout_add import bias_dropout_add

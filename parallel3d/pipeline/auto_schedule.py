@@ -69,8 +69,9 @@ def candidates(P: int, M: int, V: int, times: tuple[float, float, float], comm_t
 
 
 def auto_schedule(num_stages: int, num_microbatches: int, num_model_chunks: int = 1, *,
-                  named: Sequence[Schedule], forward_time: float = 1.0, backward_time: float = 1.0, weight_time: float = 1.0,
-                  comm_time: float = 0.0, memory_limit: Optional[float] = None, weight_fraction: float = 0.94,
+                  named: Sequence[Schedule], forward_time: float = 1.0, backward_time: float = 1.0,
+                  weight_time: float = 1.0, comm_time: float = 0.0, memory_limit: Optional[float] = None,
+                  weight_fraction: float = 0.94,
                   sends_block: bool = False, results: Optional[dict[str, SimResult]] = None) -> Schedule:
     """The candidate with the smallest simulated makespan within ``memory_limit`` M_B per rank.
 

@@ -26,17 +26,14 @@ FLASH_BWD_FLOP_RATIO = 2.5  # FlashAttention-2's backward: 5 matmuls against the
 
 def head_cost_in_layers(hidden_size: int, seq_length: int, padded_vocab_size: int,
                         tensor_parallel: bool = False) -> float:
-    """The output layer and loss in units of one transformer layer's training time: what the balanced
-    pipeline split (parallel3d.pipeline.layout) puts on the last stage.
-
-    Layer: 72 b s h^2 + 12 b s^2 h GEMM FLOPs (QKV, projection, a 4h MLP, attention scores;
-    forward plus backward = 3x forward), times LAYER_OVER_GEMMS. Output layer: 6 b s h V FLOPs,
-    plus the loss's memory passes over the b s V logits (LOSS_BYTES_PER_LOGIT) at
-    FLOPS_PER_LOSS_BYTE (both planning.hardware's).
-    """
+    """The output layer and loss in units of one transformer layer's training time (what the balanced pipeline
+    split puts on the last stage). Layer: 72 b s h^2 + 12 b s^2 h GEMM FLOPs (QKV, projection, a 4h MLP, the
+    scores; forward plus backward = 3x forward) x LAYER_OVER_GEMMS; output layer: 6 b s h V FLOPs plus the
+    loss's passes over the b s V logits (LOSS_BYTES_PER_LOGIT at FLOPS_PER_LOSS_BYTE, hardware's tables)."""
     h, s, V = hidden_size, seq_length, padded_vocab_size
     loss_bytes = sum(LOSS_BYTES_PER_LOGIT[tensor_parallel])
     return (6 * h * V + loss_bytes * V * FLOPS_PER_LOSS_BYTE) / ((72 * h * h + 12 * s * h) * LAYER_OVER_GEMMS)
+
 
 @dataclass(frozen=True)
 class PassCost:

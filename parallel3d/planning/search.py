@@ -81,7 +81,8 @@ def lower_bound(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> tuple
         work = M * sum(c.forward + c.backward for c in row)
         window = sum(c.backward for c in row)
         n = params_on_rank(model, layout, rank)
-        best = max(best, start + work + dp_time(model, layout, cluster, rank, window) + optimizer_time(n, layout, cluster))
+        dp = dp_time(model, layout, cluster, rank, window)
+        best = max(best, start + work + dp + optimizer_time(n, layout, cluster))
         start += row[0].forward
         # The most (microbatch, chunk) forwards a rank holds: its warm-up plus the first steady one.
         # (A zero-bubble schedule's count is only known from its simulation: 1, a lower bound.)
