@@ -16,9 +16,8 @@ _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 class _CheckoutFinder:
     @staticmethod
     def find_spec(fullname, path=None, target=None):
-        if fullname in (f"{__name__}.models", f"{__name__}.tools"):
-            return _machinery.PathFinder.find_spec(fullname, [_checkout])
-        return None
+        ours = fullname in (f"{__name__}.models", f"{__name__}.tools")
+        return _machinery.PathFinder.find_spec(fullname, [_checkout]) if ours else None
 
 
 if (not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "models"))

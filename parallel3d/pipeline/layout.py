@@ -87,11 +87,9 @@ def _first_last_counts(L: int, P: int, V: int, first: Optional[int], last: Optio
     if P == 1:
         raise LayoutError("num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1")
     for which, n in (("first", first), ("last", last)):
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-            raise LayoutError(f"num_layers_in_{which}_pipeline_stage must be a positive integer, got {n!r}")
-        if n is not None and n % V:
-            raise LayoutError(f"num_layers_in_{which}_pipeline_stage ({n}) is not divisible by "
-                              f"virtual_pipeline_model_parallel_size ({V})")
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1 or n % V):
+            raise LayoutError(f"num_layers_in_{which}_pipeline_stage must be a positive multiple of "
+                              f"virtual_pipeline_model_parallel_size ({V}), got {n!r}")
     middle = P - (first is not None) - (last is not None)
     inner = L - (first or 0) - (last or 0)
     if inner < 0 or (middle == 0 and inner != 0):
@@ -101,10 +99,7 @@ def _first_last_counts(L: int, P: int, V: int, first: Optional[int], last: Optio
         raise LayoutError(f"the {inner} layers left for the {middle} middle pipeline stage(s) are not divisible by "
                           f"{middle} x virtual_pipeline_model_parallel_size ({V}) = {middle * V} (or are none)")
     per_rank = [inner // middle if middle else 0] * P
-    if first is not None:
-        per_rank[0] = first
-    if last is not None:
-        per_rank[-1] = last
+    per_rank[0], per_rank[-1] = first or per_rank[0], last or per_rank[-1]  # both >= 1 where given
     return [per_rank[v % P] // V for v in range(P * V)]
 
 

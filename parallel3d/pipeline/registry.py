@@ -1,8 +1,7 @@
-"""Schedules by name: one record each (parallel3d.pipeline.schedules.ScheduleRecord) saying what it
-runs, how many chunks and microbatches it needs, and which builder makes it: Megatron's
-(schedules.py), the zero-bubble ones (zero_bubble.py) and 'auto' (auto_schedule.py, which picks
-among the others). Everything outside asks this table, so adding a schedule is one builder plus
-one record. The one module that imports all three, so none of them imports another back.
+"""Schedules by name: one ScheduleRecord each (what it runs, the chunks and microbatches it needs, its
+builder): Megatron's (schedules.py), the zero-bubble ones (zero_bubble.py) and 'auto' (auto_schedule.py,
+which picks among the others). Everything else asks this table, so adding a schedule is one builder
+plus one record. The one module that imports all three, so none of them imports another back.
 """
 from __future__ import annotations
 
