@@ -22,11 +22,13 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from launch import MEGATRON, OURS, iteration_time, run, tokens_per_gpu  # noqa: E402
 
+from parallel3d.pipeline.registry import ZERO_BUBBLE  # noqa: E402
+
 BREAKDOWN = ("span_ms", "gemm_ms", "attention_ms", "other_ms", "comm_ms", "comm_exposed_ms", "idle_ms")
 
 GPT = ["--preset", "gpt-1.3b"]
 PP4 = GPT + ["--pp", "4", "--global-batch-size", "64"]  # 16 microbatches: the bubble of 1F1B is 3/19
-ZB = ["zb-h1", "zb-h2", "zb-v", "dualpipev", "auto"]
+ZB = ZERO_BUBBLE
 TP2 = GPT + ["--global-batch-size", "16", "--tp", "2", "--sequence-parallel"]
 TP2_DP2 = GPT + ["--global-batch-size", "32", "--tp", "2", "--sequence-parallel", "--use-distributed-optimizer",
                  "--overlap-grad-reduce"]
@@ -105,7 +107,8 @@ def predict(name: str, cluster) -> tuple[float, float]:
 
     gpus, both, ours_only, _ = RUNS[name]
     _, args = gpt_bench.bench_args(both + ours_only, world=gpus)
-    est = estimate(ModelSpec.from_args(args), Layout.from_args(args), cluster)
+    model = ModelSpec.from_config(gpt_bench.pretrain_gpt.transformer_config_from_args(args))
+    est = estimate(model, Layout.from_args(args), cluster)
     return est.step_time_s, est.memory[-1].peak / GIB
 
 

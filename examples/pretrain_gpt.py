@@ -40,9 +40,10 @@ from parallel3d.data import (  # noqa: E402
     build_train_valid_test_datasets,
 )
 from parallel3d.models.generation import generate  # noqa: E402
-from parallel3d.pipeline.partition import partition_layers  # noqa: E402
-from parallel3d.pipeline.layout import LayoutError, layer_partition_from_args  # noqa: E402
-from parallel3d.pipeline.schedules import placement_of  # noqa: E402
+from parallel3d.pipeline.layout import LayoutError  # noqa: E402
+from parallel3d.pipeline.layout import layer_partition as pipeline_layer_partition  # noqa: E402
+from parallel3d.pipeline.registry import placement_of  # noqa: E402
+from parallel3d.planning.compute import head_cost_in_layers  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
 from parallel3d.lifetime import exit_with_launcher  # noqa: E402
 from parallel3d.training import initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
@@ -151,26 +152,19 @@ def layer_partition(args: argparse.Namespace, config: Optional[TransformerConfig
     (without it: --vocab-size)."""
     pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    placement = placement_of(getattr(args, "pipeline_schedule", None), vp)
-    if first is None and last is None:
-        try:  # a layout string, the account-for flags, or the cost-balanced default
-            return layer_partition_from_args(args, pp, vp, placement,
-                                             config.padded_vocab_size if config is not None else None)
-        except LayoutError as e:
-            raise ArgumentError(str(e)) from None
-    if vp != 1:
+    if vp != 1 and (first is not None or last is not None):
         raise ArgumentError("--decoder-first/last-pipeline-num-layers need one chunk per pipeline rank")
-    inner = args.num_layers - (first or 0) - (last or 0)
-    middle = pp - (first is not None) - (last is not None)
-    if inner < 0 or (middle and inner % middle) or (not middle and inner):
-        raise ArgumentError(f"--num-layers ({args.num_layers}) minus the first/last stage layers ({first}, {last}) "
-                            f"does not split evenly over the {middle} other pipeline stages")
-    counts = [inner // middle if middle else 0] * pp
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    return partition_layers(args.num_layers, pp, 1, layers_per_stage=counts)
+    vocab = config.padded_vocab_size if config is not None else args.vocab_size
+    head = head_cost_in_layers(args.hidden_size, args.seq_length, vocab, args.tensor_model_parallel_size > 1)
+    try:
+        return pipeline_layer_partition(
+            args.num_layers, pp, vp, placement_of(args.pipeline_schedule, vp),
+            layout=args.pipeline_model_parallel_layout, first_stage_layers=first, last_stage_layers=last,
+            account_for_embedding=args.account_for_embedding_in_pipeline_split,
+            account_for_loss=args.account_for_loss_in_pipeline_split, split=args.pipeline_split,
+            head_cost=head)
+    except LayoutError as e:
+        raise ArgumentError(str(e)) from None
 
 
 def model_provider(config: TransformerConfig, partition: list[list[range]], pre_process: bool, post_process: bool,

@@ -24,6 +24,7 @@ from typing import Any, Optional, Union
 import torch
 
 from parallel3d.parallel_state import check_virtual_pipeline_size
+from parallel3d.pipeline.layout import layers_per_virtual_stage
 from parallel3d.tensor_parallel import vocab_size_with_padding
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -49,6 +50,25 @@ def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = _LLAMA_FFN_MULTIP
     """LLaMA's SwiGLU width: 2/3 of 4h (same FLOPs as a 4h GeLU MLP), rounded up to ``multiple_of``."""
     width = int(2 * 4 * hidden_size / 3)
     return multiple_of * ((width + multiple_of - 1) // multiple_of)
+
+
+def default_ffn_hidden_size(hidden_size: int, gated_linear_unit: bool) -> int:
+    """The MLP width when none is given: 4h, or LLaMA's rule for a gated MLP (what the model builds)."""
+    return llama_ffn_hidden_size(hidden_size) if gated_linear_unit else 4 * hidden_size
+
+
+def num_floating_point_operations(*, batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
+                                  num_attention_heads: int, kv_channels: Optional[int],
+                                  num_query_groups: Optional[int], ffn_hidden_size: int, swiglu: bool,
+                                  padded_vocab_size: int) -> float:
+    """Model FLOPs of one iteration (Megatron's formula; causal attention counted as half)."""
+    h, L, s = hidden_size, num_layers, seq_length
+    head_dim = kv_channels or h // num_attention_heads
+    q = num_attention_heads * head_dim
+    k = (num_query_groups or num_attention_heads) * head_dim
+    g = 3 if swiglu else 2
+    return (6 * batch_size * s * (L * (h * (q + 2 * k) + q * h + g * h * ffn_hidden_size) + h * padded_vocab_size)
+            + 6 * batch_size * s * s * L * q)
 
 
 @dataclass
@@ -161,7 +181,7 @@ class TransformerConfig:
                 "each key/value head must serve the same number of query heads"
             )
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = llama_ffn_hidden_size(h) if self.gated_linear_unit else 4 * h
+            self.ffn_hidden_size = default_ffn_hidden_size(h, self.gated_linear_unit)
         positive("ffn_hidden_size")
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
@@ -235,32 +255,10 @@ class TransformerConfig:
         pp, vp, layers = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size, self.num_layers
         first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
         check_virtual_pipeline_size(pp, vp)
-        chunks = vp or 1
-        if first is None and last is None:
-            # Any total: a layout string or the balanced split places the layers (the model takes its
-            # layer_numbers); the even split is checked where it is asked for (layers_per_virtual_stage).
-            return
-        if pp == 1:
-            raise ValueError("num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1")
-        for name, n in (("num_layers_in_first_pipeline_stage", first), ("num_layers_in_last_pipeline_stage", last)):
-            if n is None:
-                continue
-            if not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be a positive integer, got {n!r}")
-            if n % chunks != 0:
-                raise ValueError(f"{name} ({n}) is not divisible by virtual_pipeline_model_parallel_size ({chunks})")
-        middle_stages = pp - (first is not None) - (last is not None)
-        middle_layers = layers - (first or 0) - (last or 0)
-        if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
-            raise ValueError(
-                f"num_layers ({layers}) does not match num_layers_in_first_pipeline_stage ({first}) + "
-                f"num_layers_in_last_pipeline_stage ({last}) with {middle_stages} other stage(s)"
-            )
-        if middle_stages > 0 and middle_layers % (middle_stages * chunks) != 0:
-            raise ValueError(
-                f"the {middle_layers} layers left for the {middle_stages} middle pipeline stage(s) are not divisible "
-                f"by {middle_stages} x virtual_pipeline_model_parallel_size ({chunks}) = {middle_stages * chunks}"
-            )
+        # Any total without first/last: a layout string or the balanced split places the layers (the model takes
+        # its layer_numbers); the even split is checked where it is asked for (layers_per_virtual_stage).
+        if first is not None or last is not None:
+            layers_per_virtual_stage(layers, pp, vp or 1, first_stage_layers=first, last_stage_layers=last)
 
     # --- derived quantities ---------------------------------------------------------------------
     @property
@@ -276,22 +274,10 @@ class TransformerConfig:
         even split, or Megatron's uneven one (the first/last pipeline rank hold
         num_layers_in_first/last_pipeline_stage layers, spread evenly over their chunks).
         """
-        pp, chunks = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1
-        first, last = self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage
-        if first is None and last is None and self.num_layers % (pp * chunks) != 0:
-            raise ValueError(
-                f"num_layers ({self.num_layers}) is not divisible by pipeline_model_parallel_size ({pp}) x "
-                f"virtual_pipeline_model_parallel_size ({chunks}) = {pp * chunks}: no even split; set "
-                "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage, or place the layers "
-                "with a layout (--pipeline-model-parallel-layout)")
-        middle_stages = pp - (first is not None) - (last is not None)
-        middle_layers = self.num_layers - (first or 0) - (last or 0)
-        per_rank = [middle_layers // middle_stages if middle_stages else 0] * pp
-        if first is not None:
-            per_rank[0] = first
-        if last is not None:
-            per_rank[-1] = last
-        return [per_rank[v % pp] // chunks for v in range(pp * chunks)]
+        return layers_per_virtual_stage(
+            self.num_layers, self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size or 1,
+            first_stage_layers=self.num_layers_in_first_pipeline_stage,
+            last_stage_layers=self.num_layers_in_last_pipeline_stage, split="even")
 
     def checkpoint_mismatches(self, saved: dict[str, Any]) -> list[str]:
         """The architecture fields where a saved config (its JSON) differs from this one: checkpointing
@@ -300,9 +286,8 @@ class TransformerConfig:
                 if k in saved and saved[k] != getattr(self, k)]
 
     def num_floating_point_operations(self, batch_size: int) -> float:
-        """Model FLOPs of one iteration of ``batch_size`` sequences (parallel3d.planning's formula, the one
-        copy of Megatron's; causal attention counted as half)."""
-        from parallel3d.planning.model import num_floating_point_operations
+        """Model FLOPs of one iteration of ``batch_size`` sequences (Megatron's formula, the one the planner
+        prices too; causal attention counted as half)."""
         return num_floating_point_operations(
             batch_size=batch_size, seq_length=self.seq_length, num_layers=self.num_layers,
             hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads, kv_channels=self.kv_channels,

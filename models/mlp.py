@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallel3d.fused import bias_gelu, bias_swiglu
+from parallel3d.fused import bias_gelu, bias_gelu_reference, bias_swiglu, bias_swiglu_reference
 from parallel3d.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -18,16 +18,15 @@ from parallel3d.tensor_parallel import (
 )
 
 from .config import TransformerConfig
-from .ops import plain_bias_gelu, plain_bias_swiglu
 
 
 def _activation_fn(config: TransformerConfig) -> Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]:
     """act(x + bias), or act(gate) * up for a gated unit; the fused wrapper where one exists."""
     fused = config.bias_activation_fusion
     if config.swiglu:
-        return bias_swiglu if fused else plain_bias_swiglu
+        return bias_swiglu if fused else bias_swiglu_reference
     if config.activation in ("gelu", "gelu_tanh") and not config.gated_linear_unit:
-        return functools.partial(bias_gelu if fused else plain_bias_gelu,
+        return functools.partial(bias_gelu if fused else bias_gelu_reference,
                                  approximate="tanh" if config.activation == "gelu_tanh" else "none")
     # The rest (GeGLU, a non-gated SiLU) has no kernel: plain PyTorch.
     act = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "silu": F.silu}[config.activation]

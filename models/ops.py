@@ -24,18 +24,8 @@ _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 # PARALLEL3D_DISABLE_FUSION=1) and these plain_* compositions where it is off. In fp32 both compute the
 # same formulas. In bf16/fp16 these keep Megatron's unfused numerics on purpose where the fused
 # fallbacks compute in fp32: LayerNorm in torch's kernel, RMSNorm cast before the weight (HF LLaMA),
-# RoPE and the causal softmax in the input dtype. bias-GeLU, bias-SwiGLU and bias-dropout-add match.
-
-def plain_bias_gelu(x: torch.Tensor, bias: Optional[torch.Tensor], approximate: str = "tanh") -> torch.Tensor:
-    """GeLU of x + bias; "tanh" is Megatron's fused formula and HF GPT-2's gelu_new, "none" is erf."""
-    return F.gelu(x if bias is None else x + bias, approximate=approximate)
-
-
-def plain_bias_swiglu(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """SwiGLU of x + bias, whose last dim is [gate; up]: silu(gate) * up."""
-    gate, up = torch.chunk(x if bias is None else x + bias, 2, dim=-1)
-    return F.silu(gate) * up
-
+# RoPE and the causal softmax in the input dtype. bias-dropout-add matches; bias-GeLU and bias-SwiGLU have one
+# reference, parallel3d.fused's (bias_gelu_reference, bias_swiglu_reference).
 
 def plain_bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
                             prob: float, training: bool) -> torch.Tensor:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from parallel3d.models import GPTModel
 from parallel3d.models.config import gpt2_config, llama_config
 from parallel3d.training.checkpointing import LATEST_FILE, model_state_for_save, write_metadata
-from parallel3d.pipeline.partition import partition_layers
+from parallel3d.pipeline.partition import even_counts, partition_layers
 
 from hf_checkpoints import PROMPT, _hf_class, _hf_model
 from parallel3d.tools.checkpoint.parallel3d_format import expected_rank_tensors
@@ -95,7 +95,7 @@ def test_converted_checkpoint_metadata(checkpoints):
 
 
 def _chunks_per_rank(cfg, pp, vp):
-    partition = partition_layers(cfg.num_layers, pp, vp)
+    partition = partition_layers(cfg.num_layers, pp, vp, layers_per_stage=even_counts(cfg.num_layers, pp * vp))
     last = pp * vp - 1
     return [[GPTModel(cfg, pre_process=c * pp + r == 0, post_process=c * pp + r == last,
                       layer_numbers=partition[r][c]) for c in range(vp)] for r in range(pp)]

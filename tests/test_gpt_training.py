@@ -224,7 +224,7 @@ def _main_error(argv, world_size, monkeypatch):
 @pytest.mark.parametrize("argv,world,message", [
     (["--tensor-model-parallel-size", "3"], 4, r"world size \(4\) is not divisible by --tensor-model-parallel-size \(3\)"),
     (["--num-layers", "6", "--pipeline-model-parallel-size", "4", "--pipeline-split", "even"], 4,
-     r"--pipeline-split even needs --num-layers \(6\) divisible by the 4"),
+     r"num_layers \(6\) is not divisible by .* = 4: no even split \(--pipeline-split even\)"),
     (["--num-layers", "3", "--pipeline-model-parallel-size", "4"], 4, r"3 layers cannot fill 4 virtual stages"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"], 1, r"--global-batch-size \(10\) is not divisible"),
     (["--num-attention-heads", "6", "--tensor-model-parallel-size", "4"], 4, r"num_attention_heads \(6\)"),

@@ -1,24 +1,13 @@
 """Pipeline layouts: Megatron's layout string and split flags, the cost-balanced default, clear errors."""
-import argparse
-
 import pytest
 
-from parallel3d.pipeline.layout import (
-    LayoutError,
-    expand_layout,
-    head_cost_in_layers,
-    layer_counts,
-    parse_layout,
-)
+from parallel3d.pipeline.layout import LayoutError, expand_layout, layers_per_virtual_stage, parse_layout
+from parallel3d.planning.compute import head_cost_in_layers
 
 
-def _args(**kw):
-    base = dict(num_layers=24, hidden_size=2048, seq_length=2048, vocab_size=50257, padded_vocab_size=50304,
-                decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
-                pipeline_model_parallel_layout=None, account_for_embedding_in_pipeline_split=False,
-                account_for_loss_in_pipeline_split=False, pipeline_split="balanced")
-    base.update(kw)
-    return argparse.Namespace(**base)
+def layer_counts(num_stages, num_layers=24, **split):
+    """GPT-1.3B's shape (padded vocabulary 50304, the one-rank loss) on ``num_stages`` stages."""
+    return layers_per_virtual_stage(num_layers, num_stages, head_cost=head_cost_in_layers(2048, 2048, 50304), **split)
 
 
 def test_layout_grammar():
@@ -51,16 +40,15 @@ def test_head_cost_of_gpt_1_3b_is_what_was_measured():
 
 
 def test_balanced_default_moves_layers_off_the_loss_stage():
-    assert layer_counts(_args(), 2) == [13, 11]  # 13 vs 11 + 2.8
-    assert layer_counts(_args(pipeline_split="even"), 2) is None
-    assert sum(layer_counts(_args(), 4)) == 24 and layer_counts(_args(), 4)[-1] < 6
+    assert layer_counts(2) == [13, 11]  # 13 vs 11 + 2.8
+    assert layer_counts(2, split="even") == [12, 12]
+    assert sum(layer_counts(4)) == 24 and layer_counts(4)[-1] < 6
 
 
 def test_account_for_embedding_and_loss():
     # Megatron: the embedding and the loss each count as a layer of the even split.
-    assert layer_counts(_args(num_layers=6, account_for_embedding_in_pipeline_split=True,
-                              account_for_loss_in_pipeline_split=True), 4) == [1, 2, 2, 1]
-    assert layer_counts(_args(num_layers=7, account_for_loss_in_pipeline_split=True), 2) == [4, 3]
+    assert layer_counts(4, 6, account_for_embedding=True, account_for_loss=True) == [1, 2, 2, 1]
+    assert layer_counts(2, 7, account_for_loss=True) == [4, 3]
 
 
 def test_pretrain_script_partition_from_the_flags():
@@ -92,10 +80,18 @@ def test_a_layer_total_the_stages_do_not_divide():
     args = layout_args("gpt2", pp=4, extra=six, world=4)
     assert sum(len(r[0]) for r in pretrain_gpt.layer_partition(args, pretrain_gpt.transformer_config_from_args(args))) == 6
     args = layout_args("gpt2", pp=4, extra=six + ["--pipeline-split", "even"], world=4)
-    with pytest.raises(ArgumentError, match=r"--pipeline-split even needs --num-layers \(6\) divisible by the 4"):
+    with pytest.raises(ArgumentError, match=r"num_layers \(6\) is not divisible by .* = 4: no even split"):
         pretrain_gpt.layer_partition(args, pretrain_gpt.transformer_config_from_args(args))
 
 
-def test_layout_string_wins_and_explicit_first_last_are_left_to_the_caller():
-    assert layer_counts(_args(num_layers=4, pipeline_model_parallel_layout="Et|tttL"), 2) == [1, 3]
-    assert layer_counts(_args(decoder_first_pipeline_num_layers=10), 2) is None
+def test_layout_string_wins_then_explicit_first_last():
+    assert layer_counts(2, 4, layout="Et|tttL", first_stage_layers=1) == [1, 3]
+    assert layer_counts(2, first_stage_layers=10) == [10, 14]
+    # Megatron's uneven split over virtual stages: the first/last rank's layers spread over its chunks
+    assert layers_per_virtual_stage(10, 3, 2, first_stage_layers=2, last_stage_layers=4) == [1, 2, 2, 1, 2, 2]
+    with pytest.raises(LayoutError, match=r"the 3 layers left for the 2 middle pipeline stage\(s\) are not divisible"):
+        layer_counts(3, 5, first_stage_layers=2)
+    with pytest.raises(LayoutError, match=r"the 0 layers left for the 1 middle pipeline stage\(s\) .* \(or are none\)"):
+        layer_counts(3, 4, first_stage_layers=2, last_stage_layers=2)
+    with pytest.raises(LayoutError, match=r"3 layers cannot fill 4 virtual stages"):
+        layer_counts(4, 3)

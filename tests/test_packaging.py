@@ -59,14 +59,14 @@ def test_dependencies_are_the_imported_ones():
 def test_every_package_is_listed_and_models_tools_live_under_parallel3d():
     listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
     mapping = PYPROJECT["tool"]["setuptools"]["package-dir"]
-    assert mapping == {"parallel3d.models": "models", "parallel3d.tools": "tools"}
+    assert mapping == {"parallel3d.models": "models", "parallel3d.tools": "tools", "parallel3d.csrc": "csrc"}
     found = set()
     for top, name in (("parallel3d", "parallel3d"), ("models", "parallel3d.models"), ("tools", "parallel3d.tools")):
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
             if "__init__.py" in files:
                 rel = os.path.relpath(dirpath, os.path.join(ROOT, top))
                 found.add(name if rel == "." else name + "." + rel.replace(os.sep, "."))
-    assert found == listed
+    assert found | {"parallel3d.csrc"} == listed  # csrc: the CUDA sources as package data, no Python
     assert not any(p == "models" or p.startswith("models.") for p in listed)
 
 
@@ -96,12 +96,18 @@ def test_checkout_scripts_run_without_install(script, tmp_path):
     assert "usage:" in proc.stdout
 
 
-def test_checkout_shim_is_appended_after_the_package_dir():
+def test_checkout_shim_lets_only_models_and_tools_through():
+    import importlib.util
+
     import parallel3d
     import parallel3d.models
+    import parallel3d.tools
 
-    assert parallel3d.__path__[0] == os.path.join(ROOT, "parallel3d")
+    assert parallel3d.__path__ == [os.path.join(ROOT, "parallel3d")]
     assert os.path.dirname(parallel3d.models.__file__) == os.path.join(ROOT, "models")
+    assert os.path.dirname(parallel3d.tools.__file__) == os.path.join(ROOT, "tools")
+    for name in ("setup", "bench", "tests", "csrc", "examples"):  # the rest of the checkout stays out
+        assert importlib.util.find_spec(f"parallel3d.{name}") is None, name
 
 
 def test_wheel_holds_models_and_tools_inside_parallel3d(tmp_path):
@@ -127,10 +133,19 @@ def test_wheel_holds_models_and_tools_inside_parallel3d(tmp_path):
     (wheel,) = (tmp_path / "dist").iterdir()
     names = zipfile.ZipFile(wheel).namelist()
     assert "parallel3d/models/gpt.py" in names and "parallel3d/tools/checkpoint/hf.py" in names
+    sources = sorted(f for f in os.listdir(os.path.join(ROOT, "csrc")) if f.endswith((".cu", ".cpp", ".h", ".cuh")))
+    assert [n for n in names if n.startswith("parallel3d/csrc/")] == [f"parallel3d/csrc/{f}" for f in sources]
     assert not any(n.startswith(("models/", "tools/")) for n in names)
     assert any(n.endswith("licenses/LICENSE") for n in names)
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "parallel3d-convert-checkpoint" in entry_points
+    # Installed (unpacked where no checkout is near), the JIT build finds the sources in the package.
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
+    found = subprocess.run([sys.executable, "-c", "from parallel3d.fused import _ext; print(_ext._CSRC)"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0 and found.stdout.strip() == str(site / "parallel3d" / "csrc"), found.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- the project-local venv

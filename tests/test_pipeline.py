@@ -15,7 +15,8 @@ from torch import nn
 from parallel3d import parallel_state as ps
 from parallel3d import tensor_parallel as tp
 from parallel3d.pipeline import ScheduleError, build_schedule, get_forward_backward_func
-from parallel3d.pipeline.schedules import V_SHAPED, virtual_stage
+from parallel3d.pipeline.registry import V_SHAPED
+from parallel3d.pipeline.schedules import virtual_stage
 from parallel3d.pipeline.forward_backward import forward_backward
 from parallel3d.testing import run_distributed
 

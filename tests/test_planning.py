@@ -11,7 +11,8 @@ from gpt_harness import layout_args, pretrain_gpt, train
 from parallel3d.planning import GemmCurve, Layout, ModelSpec, estimate, get_cluster, load_cluster
 from parallel3d.planning.hardware import cluster_from_dict
 from parallel3d.planning.memory import static_bytes
-from parallel3d.planning.model import num_floating_point_operations
+from parallel3d.models import gpt2_config, llama_config
+from parallel3d.planning.model import model_flops, num_floating_point_operations
 from parallel3d.planning.sc21 import TABLE_1, figure_12, reproduce
 from parallel3d.planning.search import candidates, search
 from parallel3d.planning.step import _run, simulate_pipeline
@@ -50,7 +51,7 @@ def _allocated(result):
 def test_static_memory_matches_the_real_optimizers(family, extra):
     args = layout_args(family, extra=extra, iters=2)
     result = train(args)  # two Adam steps: every state tensor exists
-    model = ModelSpec.from_args(args, ffn_hidden_size=pretrain_gpt.transformer_config_from_args(args).ffn_hidden_size)
+    model = ModelSpec.from_config(pretrain_gpt.transformer_config_from_args(args))
     assert model.total_params() == sum(p.numel() for p in result["model"][0].module.parameters())
     zero = "--use-distributed-optimizer" in extra
     layout = Layout(use_distributed_optimizer=zero, bf16="--bf16" in extra, global_batch_size=args.global_batch_size)
@@ -137,7 +138,7 @@ def test_recompute_lowers_memory_and_raises_time():
             for rc in (None, "full")]
     assert runs[1].peak_memory_gib < runs[0].peak_memory_gib
     assert runs[1].step_time_s > runs[0].step_time_s
-    unfused = dataclasses.replace(GPT_1_3B, attention_backend="unfused")
+    unfused = dataclasses.replace(GPT_1_3B, attention_backend="local")
     sel = [estimate(unfused, dataclasses.replace(base, recompute_granularity=rc), H100) for rc in (None, "selective")]
     assert sel[1].peak_memory_gib < sel[0].peak_memory_gib and sel[1].step_time_s > sel[0].step_time_s
 
@@ -174,3 +175,34 @@ def test_sc21_figure_12_interleaving_gap_shrinks_with_batch():
     assert all(g > 1 for g in gaps)  # interleaved is faster at every batch size
     assert gaps == sorted(gaps, reverse=True) and gaps[-1] < gaps[0]
     assert all(math.isfinite(x) for row in rows for x in row)
+
+
+
+def _built_params(config) -> int:
+    from parallel3d.models import GPTModel
+
+    return sum(p.numel() for p in GPTModel(config).parameters())
+
+
+@pytest.mark.parametrize("config", [
+    gpt2_config("tiny"),
+    gpt2_config("tiny", num_query_groups=2, ffn_hidden_size=96, untie_embeddings_and_output_weights=True),
+    llama_config("tiny"),
+    llama_config("tiny", hidden_size=96, num_attention_heads=6, num_query_groups=3, kv_channels=32),
+], ids=["gpt2", "gpt2-gqa-untied", "llama", "llama-kv-channels"])
+def test_planner_and_builder_describe_one_model(config):
+    """ModelSpec.from_config counts the parameters the builder allocates and the FLOPs training reports."""
+    spec = ModelSpec.from_config(config)
+    assert spec.total_params() == _built_params(config)
+    assert model_flops(spec, 8) == config.num_floating_point_operations(8)
+
+
+def test_swiglu_without_ffn_hidden_size_prices_the_mlp_training_builds():
+    """tools/plan.py --swiglu without --ffn-hidden-size: LLaMA's width, as TransformerConfig fills it (not 4h)."""
+    config = llama_config("tiny", hidden_size=96, num_attention_heads=6, num_query_groups=3)
+    spec = ModelSpec(num_layers=2, hidden_size=96, num_attention_heads=6, seq_length=32, vocab_size=1000,
+                     num_query_groups=3, swiglu=True, add_bias_linear=False, normalization="RMSNorm",
+                     position_embedding_type="rope", untie_embeddings_and_output_weights=True)
+    assert spec.ffn == config.ffn_hidden_size == 256  # 4h would be 384
+    assert spec.total_params() == _built_params(config)
+    assert model_flops(spec, 8) == config.num_floating_point_operations(8)

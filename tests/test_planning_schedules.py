@@ -1,13 +1,15 @@
 """The planner on the pipeline package's schedules: zero-bubble W timing, V placement, the layer split."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import pytest
 
-from parallel3d.pipeline.layout import layer_counts
-from parallel3d.pipeline.schedules import ZERO_BUBBLE, stage_location, virtual_stage
+from gpt_harness import pretrain_gpt
+from parallel3d.pipeline.layout import layers_per_virtual_stage
+from parallel3d.planning.compute import head_cost_in_layers
+from parallel3d.pipeline.registry import ZERO_BUBBLE
+from parallel3d.pipeline.schedules import stage_location, virtual_stage
 from parallel3d.planning import Layout, ModelSpec, estimate, get_cluster
 from parallel3d.planning.memory import layer_activation_bytes, memory_breakdown, rank_chunks
 from parallel3d.planning.step import stage_costs
@@ -91,10 +93,7 @@ def test_rank_chunks_follow_the_executors_layer_split(pp, schedule, per):
     balanced = _layout(pp, schedule, num_layers_per_virtual_pipeline_stage=per, micro_batch_size=4)
     even = dataclasses.replace(balanced, pipeline_split="even")
     V, placement = balanced.virtual_stages(GPT_1_3B), balanced.placement(GPT_1_3B)
-    args = argparse.Namespace(num_layers=24, hidden_size=2048, seq_length=2048, vocab_size=50257,
-                              decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
-                              pipeline_model_parallel_layout=None, pipeline_split="balanced")
-    want = layer_counts(args, pp * V, GPT_1_3B.vocab(1))
+    want = layers_per_virtual_stage(24, pp, V, head_cost=head_cost_in_layers(2048, 2048, GPT_1_3B.vocab(1)))
     got = [0] * (pp * V)
     for r in range(pp):
         for c, (layers, _, _) in enumerate(rank_chunks(GPT_1_3B, balanced, r)):
@@ -102,7 +101,6 @@ def test_rank_chunks_follow_the_executors_layer_split(pp, schedule, per):
     assert got == want and sum(got) == 24
     assert got[-1] < 24 // (pp * V)  # the stage with the output layer holds fewer layers
     assert all(layers == 24 // (pp * V) for r in range(pp) for layers, _, _ in rank_chunks(GPT_1_3B, even, r))
-    assert layer_counts(argparse.Namespace(**{**vars(args), "pipeline_split": "even"}), pp * V) is None
 
 
 def test_balanced_split_lowers_the_predicted_step():
@@ -129,7 +127,7 @@ def _parsed(*extra: str):
 ])
 def test_layout_from_args_round_trip(extra, schedule, split, V):
     args = _parsed(*extra)
-    model, layout = ModelSpec.from_args(args), Layout.from_args(args)
+    model, layout = ModelSpec.from_config(pretrain_gpt.transformer_config_from_args(args)), Layout.from_args(args)
     assert (layout.pipeline_schedule, layout.pipeline_split, layout.virtual_stages(model)) == (schedule, split, V)
     assert layout.virtual_stages(model) == (args.virtual_pipeline_model_parallel_size or 1)
     assert (layout.pp, layout.dp, layout.num_microbatches) == (
@@ -170,17 +168,14 @@ def test_linear_extension_holds_for_zero_bubble_schedules(name, V, monkeypatch):
 ])
 def test_planner_places_the_layers_where_training_does(argv, world):
     """The planner's layer split is pretrain_gpt's, TP's loss (a larger head cost) included."""
-    import sys
-    import os
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import pretrain_gpt
     from parallel3d.planning.memory import layer_partition
 
     gpt = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
            "--vocab-size", "50257", "--micro-batch-size", "4"]
     args = validate_args(parse_args(gpt + argv, extra_args_provider=pretrain_gpt.add_example_args), world)
-    training = pretrain_gpt.layer_partition(args, pretrain_gpt.transformer_config_from_args(args))
-    assert layer_partition(ModelSpec.from_args(args), Layout.from_args(args)) == training
+    config = pretrain_gpt.transformer_config_from_args(args)
+    training = pretrain_gpt.layer_partition(args, config)
+    assert layer_partition(ModelSpec.from_config(config), Layout.from_args(args)) == training
 
 
 def test_interleaved_memory_counts_each_held_chunk_by_its_own_layers():

@@ -4,7 +4,7 @@ import itertools
 import pytest
 
 from parallel3d.pipeline import visualize
-from parallel3d.pipeline.auto_schedule import auto_schedule, paper_costs
+from parallel3d.pipeline.auto_schedule import paper_costs
 from parallel3d.pipeline.registry import build_schedule
 from parallel3d.pipeline.schedules import Action, Schedule, ScheduleError
 from parallel3d.pipeline.simulate import simulate, validate
@@ -118,13 +118,13 @@ def test_simulator_charges_w_to_the_backward_of_schedules_without_w():
 def test_auto_schedule_is_the_fastest_candidate_within_memory(P, M, V):
     for sends_block in (True, False):
         results = {}
-        schedule = auto_schedule(P, M, V, forward_time=1.0, backward_time=1.2, weight_time=0.8, comm_time=0.05,
-                                 memory_limit=2 * P, sends_block=sends_block, results=results)
+        schedule = build_schedule("auto", P, M, V, forward_time=1.0, backward_time=1.2, weight_time=0.8,
+                                  comm_time=0.05, memory_limit=2 * P, sends_block=sends_block, results=results)
         validate(schedule)
         chosen = results[schedule.name[len("auto("):-1]]
         assert chosen.makespan == pytest.approx(min(r.makespan for r in results.values() if max(r.peak_memory) <= 2 * P))
     with pytest.raises(ValueError, match="memory_limit must be >= 1"):
-        auto_schedule(P, M, V, memory_limit=0.5)
+        build_schedule("auto", P, M, V, memory_limit=0.5)
 
 
 def test_auto_through_build_schedule_respects_a_tight_memory_limit():

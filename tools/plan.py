@@ -18,8 +18,8 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallel3d.pipeline.registry import build_schedule  # noqa: E402
-from parallel3d.pipeline.schedules import SCHEDULE_NAMES  # noqa: E402
+from parallel3d.training.megatron_args import ATTENTION_BACKENDS  # noqa: E402
+from parallel3d.pipeline.registry import SCHEDULE_NAMES, build_schedule  # noqa: E402
 from parallel3d.pipeline.simulate import simulate  # noqa: E402
 from parallel3d.pipeline.visualize import text_timeline  # noqa: E402
 from parallel3d.planning import PRESETS, Layout, ModelSpec, StepEstimate, estimate, get_cluster, load_cluster  # noqa: E402
@@ -46,7 +46,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-backend", choices=["flash", "unfused"], default="flash")
+    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto")  # training's
     t = p.add_argument_group("training and layout")
     t.add_argument("--global-batch-size", type=int, required=True)
     t.add_argument("--micro-batch-size", type=int, default=None)
@@ -84,7 +84,7 @@ def model_from(args: argparse.Namespace) -> ModelSpec:
         position_embedding_type=args.position_embedding_type,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, padded_vocab_size=args.padded_vocab_size,
-        hidden_dropout=args.hidden_dropout, attention_backend=args.attention_backend)
+        hidden_dropout=args.hidden_dropout, attention_backend=ATTENTION_BACKENDS[args.attention_backend])
 
 
 def timeline(est: StepEstimate) -> str:

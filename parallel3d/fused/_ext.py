@@ -29,7 +29,10 @@ from typing import Callable
 
 import torch
 
-_CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
+# The kernels' sources: the copy a wheel ships in the package (pyproject's package data), else a checkout's csrc/.
+_CSRC_DIRS = [os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), up, "csrc"))
+              for up in ("..", "../..")]
+_CSRC = next((d for d in _CSRC_DIRS if os.path.isfile(os.path.join(d, "bindings.cpp"))), _CSRC_DIRS[1])
 
 _fusion_enabled: bool = os.environ.get("PARALLEL3D_DISABLE_FUSION", "0") != "1"
 _ext: ModuleType | None = None

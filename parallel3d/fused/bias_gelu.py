@@ -42,4 +42,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "ta
     _check(x, bias, approximate)
     if _ext.use_kernel(x, bias) and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
         return _BiasGeLUFunction.apply(x.contiguous(), bias.contiguous() if bias is not None else None, approximate)
-    return F.gelu(x + bias if bias is not None else x, approximate=approximate)
+    return bias_gelu_reference(x, bias, approximate)
+
+
+def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh") -> torch.Tensor:
+    """The op in plain PyTorch: the fallback off the GPU and the model's unfused path (its one reference)."""
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)

@@ -37,6 +37,10 @@ def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tens
     _check(x, bias)
     if _ext.use_kernel(x, bias) and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
         return _BiasSwiGLUFunction.apply(x.contiguous(), bias.contiguous() if bias is not None else None)
-    z = x + bias if bias is not None else x
-    a, g = torch.chunk(z, 2, dim=-1)
-    return F.silu(a) * g
+    return bias_swiglu_reference(x, bias)
+
+
+def bias_swiglu_reference(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The op in plain PyTorch: the fallback off the GPU and the model's unfused path (its one reference)."""
+    gate, up = torch.chunk(x if bias is None else x + bias, 2, dim=-1)
+    return F.silu(gate) * up

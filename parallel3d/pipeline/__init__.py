@@ -5,6 +5,6 @@
 from .executor import PipelineGroup, ScheduleExecutor, custom_backward, deallocate_output_tensor
 from .forward_backward import PipelineConfig, forward_backward, get_forward_backward_func
 from .p2p import TensorSpec
-from .registry import build_schedule
-from .schedules import SCHEDULE_NAMES, Action, ActionKind, Schedule, ScheduleError, forward_only_schedule
+from .registry import SCHEDULE_NAMES, SCHEDULES, build_schedule
+from .schedules import Action, ActionKind, Schedule, ScheduleError, ScheduleRecord, forward_only_schedule
 from .simulate import SimResult, simulate, validate

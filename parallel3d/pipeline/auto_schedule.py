@@ -17,11 +17,11 @@ microbatch still holds between its B and its W (the paper's Table 1: about 32/34
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
-from .schedules import Schedule, ScheduleError, _add_comm
+from .schedules import Schedule, ScheduleError, add_comm
 from .simulate import SimResult, simulate, validate
-from .zero_bubble import build_named, greedy_orders, with_comm
+from .zero_bubble import greedy_orders, with_comm
 
 
 def paper_costs(hidden_size: float, seq_length: float) -> tuple[float, float, float, float, float]:
@@ -51,14 +51,13 @@ def _greedy(P: int, M: int, V: int, limit: int, times: tuple[float, float, float
     placement = "v" if V == 2 else "loop"
     per_rank = [limit] * P if V == 2 else [max(1, limit - r) for r in range(P)]
     orders = greedy_orders(P, M, V, placement, per_rank, limit, times, comm_time)
-    actions = _add_comm(P, V, orders, placement) if V == 1 else with_comm(orders, P, V, placement, times)
+    actions = add_comm(P, V, orders, placement) if V == 1 else with_comm(orders, P, V, placement, times)
     return Schedule(f"greedy-{limit}", P, M, V, actions, placement)
 
 
 def candidates(P: int, M: int, V: int, times: tuple[float, float, float], comm_time: float,
-               memory_limit: float) -> list[Schedule]:
-    named = ["1f1b", "zb-h1", "zb-h2"] if V == 1 else ["zb-v"] + (["dualpipev"] if M >= 2 * P else [])
-    out = [build_named(name, P, M, V) for name in named]
+               memory_limit: float, named: Sequence[Schedule]) -> list[Schedule]:
+    out = list(named)
     # Greedy limits in chunk forwards: 1F1B's (P per rank, 2P chunks of a V) up to the memory limit.
     lowest = P * V
     for limit in range(lowest, max(lowest, int(memory_limit * V)) + 1):
@@ -70,13 +69,15 @@ def candidates(P: int, M: int, V: int, times: tuple[float, float, float], comm_t
 
 
 def auto_schedule(num_stages: int, num_microbatches: int, num_model_chunks: int = 1, *,
-                  forward_time: float = 1.0, backward_time: float = 1.0, weight_time: float = 1.0,
-                  comm_time: float = 0.0, memory_limit: Optional[float] = None, weight_fraction: float = 0.94,
+                  named: Sequence[Schedule], forward_time: float = 1.0, backward_time: float = 1.0,
+                  weight_time: float = 1.0, comm_time: float = 0.0, memory_limit: Optional[float] = None,
+                  weight_fraction: float = 0.94,
                   sends_block: bool = False, results: Optional[dict[str, SimResult]] = None) -> Schedule:
     """The candidate with the smallest simulated makespan within ``memory_limit`` M_B per rank.
 
-    memory_limit defaults to 1F1B's peak, P M_B.  ``results``, if given, receives every
-    candidate's simulation by name (what the benchmark prints).
+    ``named``: the named candidates (the registry's auto_candidate records that run these sizes), which
+    the greedy orders join.  memory_limit defaults to 1F1B's peak, P M_B.  ``results``, if given,
+    receives every candidate's simulation by name (what the benchmark prints).
     """
     P, M, V = num_stages, num_microbatches, num_model_chunks
     limit = float(P) if memory_limit is None else float(memory_limit)
@@ -84,7 +85,7 @@ def auto_schedule(num_stages: int, num_microbatches: int, num_model_chunks: int 
         raise ValueError(f"memory_limit must be >= 1 M_B (one microbatch's activations), got {memory_limit}")
     times = (forward_time, backward_time, weight_time)
     best: Optional[tuple[float, Schedule]] = None
-    for schedule in candidates(P, M, V, times, comm_time, limit):
+    for schedule in candidates(P, M, V, times, comm_time, limit, named):
         try:
             validate(schedule)
         except ScheduleError:

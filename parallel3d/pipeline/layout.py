@@ -10,10 +10,11 @@ Precedence (the first given wins):
 3. ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``:
    an even split in which the embedding / the loss counts as one layer of the first / last stage.
 4. ``--pipeline-split balanced`` (default): the contiguous split minimising the most expensive
-   stage by cost, counting the output layer and loss on the last stage (:func:`head_cost_in_layers`);
+   stage by cost, counting the output layer and loss on the last stage (``head_cost``);
    ``--pipeline-split even``: Megatron's default, every stage the same number of layers.
 
-Every path ends in :func:`stage_counts`, which refuses a layout that would drop or duplicate a layer.
+A layout string and the account-for flags end in :func:`stage_counts`, which refuses a split that would
+drop or duplicate a layer; the other rules refuse a total they cannot split.
 """
 from __future__ import annotations
 
@@ -21,9 +22,7 @@ import functools
 import re
 from typing import Any, Optional
 
-from parallel3d.tensor_parallel.cross_entropy import loss_bytes_per_logit
-
-from .partition import _balanced_counts, _even_counts, partition_layers
+from .partition import balanced_counts, even_counts, partition_layers
 
 
 class LayoutError(ValueError):
@@ -74,75 +73,77 @@ def stage_counts(counts: list[int], num_layers: int, source: str) -> list[int]:
     return counts
 
 
-# Bytes of memory traffic worth one GEMM FLOP's time, and a layer's time over its GEMMs' alone
-# (H100, GPT-1.3B, 2026-11-26: GEMMs at ~650 TFLOP/s against ~3 TB/s copies; a layer measured
-# 4.9 ms forward + backward for 4.45 ms of GEMMs). Calibrated so that the loss path measured
-# there gives the measured head: 3.8 layers (11.2 ms forward + 7.5 ms backward) at PP=4.
-FLOPS_PER_LOSS_BYTE = 200.0
-LAYER_OVER_GEMMS = 1.1
-
-
-def head_cost_in_layers(hidden_size: int, seq_length: int, padded_vocab_size: int,
-                        tensor_parallel: bool = False) -> float:
-    """The output layer and loss in units of one transformer layer's training time.
-
-    Layer: 72 b s h^2 + 12 b s^2 h GEMM FLOPs (QKV, projection, a 4h MLP, attention scores;
-    forward plus backward = 3x forward), times LAYER_OVER_GEMMS. Output layer: 6 b s h V FLOPs,
-    plus the loss's memory passes over the b s V logits (``loss_bytes_per_logit``) at
-    FLOPS_PER_LOSS_BYTE. GPT-1.3B (h 2048, s 2048, V 50304): 3.9 layers with TP's loss (3.8
-    measured), 2.9 with the one-rank loss; the GEMMs alone would say 1.75.
-    """
-    h, s, V = hidden_size, seq_length, padded_vocab_size
-    loss_bytes = sum(loss_bytes_per_logit(tensor_parallel))
-    return (6 * h * V + loss_bytes * V * FLOPS_PER_LOSS_BYTE) / ((72 * h * h + 12 * s * h) * LAYER_OVER_GEMMS)
-
-
 @functools.lru_cache(maxsize=256)
 def _balanced_uniform(num_layers: int, num_stages: int, head: float) -> tuple[int, ...]:
     """The balanced split of equal layers with a head of ``head`` layers; cached, as the planner's
     search asks for the same few thousands of times."""
-    return tuple(_balanced_counts([1.0] * num_layers, num_stages, 0.0, head, allow_empty=False))
+    return tuple(balanced_counts([1.0] * num_layers, num_stages, 0.0, head, allow_empty=False))
 
 
-def layer_counts(args: Any, num_stages: int, padded_vocab_size: Optional[int] = None) -> Optional[list[int]]:
-    """Layers per virtual stage from the arguments (see the module doc); None = an even split.
+def _first_last_counts(L: int, P: int, V: int, first: Optional[int], last: Optional[int]) -> list[int]:
+    """Megatron's uneven split (num_layers_in_first/last_pipeline_stage, --decoder-first/last-pipeline-num-layers):
+    the first/last pipeline rank hold ``first``/``last`` layers, the other ranks share the rest evenly;
+    each rank's layers spread evenly over its V chunks."""
+    if P == 1:
+        raise LayoutError("num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1")
+    for which, n in (("first", first), ("last", last)):
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1 or n % V):
+            raise LayoutError(f"num_layers_in_{which}_pipeline_stage must be a positive multiple of "
+                              f"virtual_pipeline_model_parallel_size ({V}), got {n!r}")
+    middle = P - (first is not None) - (last is not None)
+    inner = L - (first or 0) - (last or 0)
+    if inner < 0 or (middle == 0 and inner != 0):
+        raise LayoutError(f"num_layers ({L}) does not match num_layers_in_first_pipeline_stage ({first}) + "
+                          f"num_layers_in_last_pipeline_stage ({last}) with {middle} other stage(s)")
+    if middle and (inner % (middle * V) or inner == 0):
+        raise LayoutError(f"the {inner} layers left for the {middle} middle pipeline stage(s) are not divisible by "
+                          f"{middle} x virtual_pipeline_model_parallel_size ({V}) = {middle * V} (or are none)")
+    per_rank = [inner // middle if middle else 0] * P
+    per_rank[0], per_rank[-1] = first or per_rank[0], last or per_rank[-1]  # both >= 1 where given
+    return [per_rank[v % P] // V for v in range(P * V)]
 
-    ``padded_vocab_size``: the output layer's vocabulary (the model config's), for the balanced split's
-    head cost; default ``args.padded_vocab_size``, else ``args.vocab_size``."""
-    L = args.num_layers
-    layout = getattr(args, "pipeline_model_parallel_layout", None)
+
+def layers_per_virtual_stage(num_layers: int, pipeline_size: int, virtual_size: int = 1, *,
+                             layout: Optional[str] = None, first_stage_layers: Optional[int] = None,
+                             last_stage_layers: Optional[int] = None, account_for_embedding: bool = False,
+                             account_for_loss: bool = False, split: str = "balanced",
+                             head_cost: Optional[float] = None) -> list[int]:
+    """Transformer layers of each virtual stage v = chunk * P + rank, by the first rule given (the
+    module doc): ``layout``, ``first/last_stage_layers``, ``account_for_embedding/loss``, ``split``.
+
+    ``head_cost``: the output layer and loss in layers (parallel3d.planning.compute.head_cost_in_layers),
+    which the balanced split weighs; the even and uneven splits leave no stage empty."""
+    L, P, V = num_layers, pipeline_size, virtual_size
+    S = P * V
     if layout:
-        return parse_layout(layout, num_stages, L)
-    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    if first is not None or last is not None:
-        return None  # the caller's own rule (it also checks it splits evenly)
-    emb = int(bool(getattr(args, "account_for_embedding_in_pipeline_split", False)))
-    loss = int(bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
-    if emb or loss:
-        counts = _even_counts(L + emb + loss, num_stages)
+        return parse_layout(layout, S, L)
+    if first_stage_layers is not None or last_stage_layers is not None:
+        return _first_last_counts(L, P, V, first_stage_layers, last_stage_layers)
+    if account_for_embedding or account_for_loss:
+        emb, loss = int(account_for_embedding), int(account_for_loss)
+        counts = even_counts(L + emb + loss, S)
         counts[0] -= emb
         counts[-1] -= loss
         return stage_counts(counts, L, "--account-for-embedding/loss-in-pipeline-split")
-    if num_stages == 1:
-        return None
-    if getattr(args, "pipeline_split", "balanced") == "even":
-        if L % num_stages:
-            raise LayoutError(f"--pipeline-split even needs --num-layers ({L}) divisible by the {num_stages} "
-                              "(virtual) pipeline stages; drop it for the balanced split, or place the layers "
-                              "with --pipeline-model-parallel-layout")
-        return None
-    tp = getattr(args, "tensor_model_parallel_size", 1)
-    head = head_cost_in_layers(args.hidden_size, args.seq_length, padded_vocab_size
-                               or getattr(args, "padded_vocab_size", None) or args.vocab_size, tp > 1)
-    if L < num_stages:
-        return None  # not enough layers to balance: the even split's error says so
-    return list(_balanced_uniform(L, num_stages, head))
+    if split == "even" and L % S:
+        raise LayoutError(f"num_layers ({L}) is not divisible by pipeline_model_parallel_size ({P}) x "
+                          f"virtual_pipeline_model_parallel_size ({V}) = {S}: no even split (--pipeline-split even); "
+                          "drop that for the balanced split, set num_layers_in_first/last_pipeline_stage, or place "
+                          "the layers with --pipeline-model-parallel-layout")
+    if L < S:
+        raise LayoutError(f"{L} layers cannot fill {S} virtual stages (pipeline_size={P} x virtual_size={V}); use at "
+                          f"most {L} stages, more layers, or place them with --pipeline-model-parallel-layout")
+    if split == "even" or S == 1:
+        return [L // S] * S
+    if head_cost is None:
+        raise ValueError("the balanced split weighs the output layer: pass head_cost (head_cost_in_layers)")
+    return list(_balanced_uniform(L, S, head_cost))
 
 
-def layer_partition_from_args(args: Any, pipeline_size: int, virtual_size: int, placement: str,
-                              padded_vocab_size: Optional[int] = None) -> list[list[range]]:
-    """result[rank][chunk]: the layers of each (virtual) stage by :func:`layer_counts`, in the schedule's
-    chunk placement: what training builds and the planner prices (one rule for both)."""
-    counts = layer_counts(args, pipeline_size * virtual_size, padded_vocab_size)
-    return partition_layers(args.num_layers, pipeline_size, virtual_size, layers_per_stage=counts,
-                            allow_empty_stages=counts is not None, placement=placement)
+def layer_partition(num_layers: int, pipeline_size: int, virtual_size: int = 1, placement: str = "loop",
+                    **split: Any) -> list[list[range]]:
+    """result[rank][chunk]: the layers of each (virtual) stage by :func:`layers_per_virtual_stage` (its
+    keywords), in the schedule's chunk placement: what training builds and the planner prices."""
+    counts = layers_per_virtual_stage(num_layers, pipeline_size, virtual_size, **split)
+    return partition_layers(num_layers, pipeline_size, virtual_size, layers_per_stage=counts,
+                            allow_empty_stages=True, placement=placement)

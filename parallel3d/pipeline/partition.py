@@ -5,21 +5,21 @@ Virtual stage ``v = chunk * P + rank`` (Megatron's numbering) holds the v-th con
 slice of layers, so walking v = 0 .. P*V-1 walks the model from embedding to head.
 Virtual stage 0 also holds the embedding, virtual stage P*V-1 the output head / loss.
 
-Three modes:
-- even (default): every virtual stage gets num_layers // (P*V) layers; the remainder goes one
-  layer each to the inner stages v = 1, 2, ..., P*V-2, then to v = 0.  The ends carry the
-  embedding and the head, so they are the last to get an extra layer (the same reason as
-  Megatron's account_for_embedding/loss_in_pipeline_split).
-- explicit: ``layers_per_stage[v]`` layers on virtual stage v.
-- balanced: ``layer_costs`` per layer; a contiguous split minimising the most expensive
-  virtual stage, counting ``embedding_cost`` on stage 0 and ``head_cost`` on the last (exact).
+The counts per virtual stage (pipeline/layout.py chooses them by Megatron's flags) come from:
+- :func:`even_counts`: num_layers // (P*V) each; the remainder goes one layer each to the inner
+  stages v = 1, 2, ..., P*V-2, then to v = 0.  The ends carry the embedding and the head, so they
+  are the last to get an extra layer (the same reason as Megatron's
+  account_for_embedding/loss_in_pipeline_split).
+- :func:`balanced_counts`: a contiguous split of per-layer costs minimising the most expensive
+  virtual stage, counting an embedding cost on stage 0 and a head cost on the last (exact).
+:func:`partition_layers` turns counts into the ranges of each (rank, chunk).
 """
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
 
-from .schedules import stage_location, virtual_stage
+from .schedules import virtual_stage
 
 
 def _to_result(counts: list[int], pipeline_size: int, virtual_size: int, placement: str) -> list[list[range]]:
@@ -28,7 +28,7 @@ def _to_result(counts: list[int], pipeline_size: int, virtual_size: int, placeme
     return [[range(starts[v], starts[v] + counts[v]) for v in row] for row in stage]
 
 
-def _even_counts(num_layers: int, num_stages: int) -> list[int]:
+def even_counts(num_layers: int, num_stages: int) -> list[int]:
     base, extra = divmod(num_layers, num_stages)
     counts = [base] * num_stages
     for v in (list(range(1, num_stages - 1)) + [0])[:extra]:  # inner stages first (see module doc)
@@ -36,7 +36,7 @@ def _even_counts(num_layers: int, num_stages: int) -> list[int]:
     return counts
 
 
-def _balanced_counts(layer_costs: Sequence[float], num_stages: int, embedding_cost: float,
+def balanced_counts(layer_costs: Sequence[float], num_stages: int, embedding_cost: float,
                      head_cost: float, allow_empty: bool) -> list[int]:
     """Contiguous split of layer_costs into num_stages parts minimising the max part cost.
 
@@ -81,12 +81,9 @@ def _balanced_counts(layer_costs: Sequence[float], num_stages: int, embedding_co
     return counts[::-1]
 
 
-def partition_layers(num_layers: int, pipeline_size: int, virtual_size: int = 1, *,
-                     layers_per_stage: list[int] | None = None,
-                     layer_costs: list[float] | None = None,
-                     embedding_cost: float = 0.0, head_cost: float = 0.0,
+def partition_layers(num_layers: int, pipeline_size: int, virtual_size: int = 1, *, layers_per_stage: list[int],
                      allow_empty_stages: bool = False, placement: str = "loop") -> list[list[range]]:
-    """Assign layers to pipeline ranks and model chunks; result[rank][chunk] = range of layers.
+    """Assign ``layers_per_stage[v]`` layers to virtual stage v; result[rank][chunk] = range of layers.
 
     ``placement`` "v" (ZB-V, DualPipeV) puts virtual stage 2P-1-rank in chunk 1 of ``rank``;
     counts stay indexed by virtual stage v.
@@ -100,52 +97,15 @@ def partition_layers(num_layers: int, pipeline_size: int, virtual_size: int = 1,
     if pipeline_size < 1 or virtual_size < 1:
         raise ValueError(f"pipeline_size and virtual_size must be >= 1, got {pipeline_size} and {virtual_size}")
     P, V, L = pipeline_size, virtual_size, num_layers
-    S = P * V
-    if layers_per_stage is not None and layer_costs is not None:
-        raise ValueError("give either layers_per_stage (explicit split) or layer_costs (balanced split), not both")
-    if layer_costs is None and (embedding_cost or head_cost):
-        raise ValueError(f"embedding_cost={embedding_cost} / head_cost={head_cost} only apply to a balanced "
-                         f"split; pass layer_costs too")
-    if min(embedding_cost, head_cost) < 0:
-        raise ValueError(f"embedding_cost and head_cost must be >= 0, got {embedding_cost} and {head_cost}")
-    if L < S and not allow_empty_stages and layers_per_stage is None:
-        raise ValueError(f"{L} layers cannot fill {S} virtual stages (pipeline_size={P} x virtual_size={V}) "
-                         f"with at least one layer each; use at most {L} stages, more layers, or "
-                         f"allow_empty_stages=True")
-
-    if layers_per_stage is not None:
-        counts = list(layers_per_stage)
-        if len(counts) != S:
-            raise ValueError(f"layers_per_stage has {len(counts)} entries, expected one per virtual stage: "
-                             f"pipeline_size={P} x virtual_size={V} = {S} (indexed by v = chunk * {P} + rank)")
-        if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in counts):
-            raise ValueError(f"layers_per_stage must hold ints >= 0, got {counts}")
-        if sum(counts) != L:
-            raise ValueError(f"layers_per_stage {counts} sums to {sum(counts)}, but num_layers is {L}")
-        if not allow_empty_stages and 0 in counts:
-            raise ValueError(f"layers_per_stage {counts} leaves virtual stage {counts.index(0)} empty; "
-                             f"pass allow_empty_stages=True if that is intended")
-    elif layer_costs is not None:
-        if len(layer_costs) != L:
-            raise ValueError(f"layer_costs has {len(layer_costs)} entries, expected num_layers={L}")
-        if any(c < 0 for c in layer_costs):
-            raise ValueError(f"layer_costs must be >= 0, got {list(layer_costs)}")
-        counts = _balanced_counts(layer_costs, S, float(embedding_cost), float(head_cost), allow_empty_stages)
-    else:
-        counts = _even_counts(L, S)
+    counts = list(layers_per_stage)
+    if len(counts) != P * V:
+        raise ValueError(f"layers_per_stage has {len(counts)} entries, expected one per virtual stage: "
+                         f"pipeline_size={P} x virtual_size={V} = {P * V} (indexed by v = chunk * {P} + rank)")
+    if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in counts):
+        raise ValueError(f"layers_per_stage must hold ints >= 0, got {counts}")
+    if sum(counts) != L:
+        raise ValueError(f"layers_per_stage {counts} sums to {sum(counts)}, but num_layers is {L}")
+    if not allow_empty_stages and 0 in counts:
+        raise ValueError(f"layers_per_stage {counts} leaves virtual stage {counts.index(0)} empty; "
+                         f"pass allow_empty_stages=True if that is intended")
     return _to_result(counts, P, V, placement)
-
-
-def virtual_stage_costs(partition: list[list[range]], layer_costs: Sequence[float],
-                        embedding_cost: float = 0.0, head_cost: float = 0.0,
-                        placement: str = "loop") -> list[list[float]]:
-    """Cost of each [rank][chunk] of a partition (layer costs + embedding on v=0 + head on the last v).
-
-    Handy for simulate(stage_costs=...) after scaling into (forward, backward) times.
-    """
-    P, V = len(partition), len(partition[0])
-    out = [[sum(layer_costs[i] for i in partition[r][c]) for c in range(V)] for r in range(P)]
-    first, last = stage_location(0, P, placement), stage_location(P * V - 1, P, placement)
-    out[first[0]][first[1]] += embedding_cost
-    out[last[0]][last[1]] += head_cost
-    return out

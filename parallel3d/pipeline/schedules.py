@@ -154,76 +154,61 @@ class Schedule:
         return "\n".join(rows)
 
 
-# --- argument checks ----------------------------------------------------------------------------
+# --- what a schedule name stands for -----------------------------------------------------------
 
-def check_schedule_args(name: str, num_stages: int, num_microbatches: int, num_model_chunks: int,
-                        group_size: int | None) -> None:
-    """The schedule's rules (its stage, microbatch and chunk counts): a ValueError naming them, else None."""
-    _known(name)
-    P, M, V = num_stages, num_microbatches, num_model_chunks
-    for arg, value in (("num_stages (pipeline size)", P), ("num_microbatches", M), ("num_model_chunks", V)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{arg} must be an int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{arg} must be >= 1, got {value}")
+Builder = Callable[[int, int, int, Optional[int]], list[list[Action]]]  # (P, M, V, group size) -> actions
+ANY_CHUNKS = range(2, 2 ** 31)  # interleaved 1F1B: any number of model chunks >= 2
+
+
+@dataclass(frozen=True)
+class ScheduleRecord:
+    """Everything the rest of parallel3d may know about one schedule name (pipeline/registry.py holds them)."""
+
+    name: str
+    build: Optional[Builder]  # None: 'auto', which picks among the auto_candidate records
+    check: Callable[["ScheduleRecord", int, int, int, Optional[int]], None]  # its rules: a ValueError naming them
+    chunks: range = range(1, 2)  # model chunks per rank it runs; the first is the default
+    placement: Optional[str] = "loop"  # "v": a rank's two chunks in a V (virtual_stage); None: its pick's
+    splits_backward: bool = False  # B (input gradient) and W (weight gradient) actions: zero bubble
+    min_microbatches: Callable[[int], int] = lambda P: 1  # of the number of stages
+    auto_candidate: bool = False  # 'auto' simulates it
+
+
+def check_megatron_args(record: ScheduleRecord, P: int, M: int, V: int, group_size: int | None) -> None:
+    """Megatron's schedules' rules (stages, chunks, microbatches): a ValueError naming them, else None."""
+    name = record.name
     if name == "no-pipelining" and P != 1:
         raise ValueError(f"'no-pipelining' runs the whole model on one rank, so num_stages must be 1, "
                          f"got {P}; use 'gpipe', '1f1b' or 'interleaved-1f1b' for {P} stages")
-    if name in ZERO_BUBBLE:
-        _check_zero_bubble_args(name, P, M, V, group_size)
+    if record.chunks != ANY_CHUNKS:
+        if V not in record.chunks:
+            raise ValueError(f"{name!r} uses one model chunk per rank, got num_model_chunks={V}; "
+                             f"use 'interleaved-1f1b' for {V} chunks per rank, or num_model_chunks=1")
+        if group_size is not None:
+            raise ValueError(f"microbatch_group_size_per_vp_stage only applies to 'interleaved-1f1b', not {name!r}")
         return
-    if name != "interleaved-1f1b" and V != 1:
-        raise ValueError(f"{name!r} uses one model chunk per rank, got num_model_chunks={V}; "
-                         f"use 'interleaved-1f1b' for {V} chunks per rank, or num_model_chunks=1")
-    if name != "interleaved-1f1b" and group_size is not None:
-        raise ValueError(f"microbatch_group_size_per_vp_stage only applies to 'interleaved-1f1b', not {name!r}")
-    if name == "interleaved-1f1b":
-        if V < 2:
-            raise ValueError(f"'interleaved-1f1b' needs num_model_chunks >= 2, got {V}; "
-                             f"use '1f1b' for one chunk per rank")
-        if P < 2:
-            raise ValueError(f"'interleaved-1f1b' needs num_stages >= 2, got {P}; with one stage "
-                             f"use 'no-pipelining' (and num_model_chunks=1)")
-        if M < P:
-            raise ValueError(
-                f"'interleaved-1f1b' needs num_microbatches >= num_stages: each rank's chunk c+1 "
-                f"consumes what the last rank's chunk c produced, which takes a group of {P} "
-                f"microbatches to fill the ring; got num_microbatches={M} < num_stages={P}. "
-                f"Any num_microbatches >= {P} works (or use '1f1b').")
-        G = P if group_size is None else group_size
-        if not P <= G <= M:
-            raise ValueError(f"microbatch_group_size_per_vp_stage must be in [num_stages, num_microbatches] "
-                             f"= [{P}, {M}], got {G}")
-
-
-# Schedules with W actions; the V-shaped ones hold two chunks per rank in placement "v".
-ZERO_BUBBLE = ("zb-h1", "zb-h2", "zb-v", "dualpipev", "auto")
-V_SHAPED = ("zb-v", "dualpipev")
-
-
-def default_num_model_chunks(name: str) -> int:
-    return 2 if name in V_SHAPED else 1
+    if V < 2:
+        raise ValueError(f"{name!r} needs num_model_chunks >= 2, got {V}; use '1f1b' for one chunk per rank")
+    if P < 2:
+        raise ValueError(f"{name!r} needs num_stages >= 2, got {P}; with one stage "
+                         f"use 'no-pipelining' (and num_model_chunks=1)")
+    if M < record.min_microbatches(P):
+        raise ValueError(
+            f"{name!r} needs num_microbatches >= num_stages: each rank's chunk c+1 "
+            f"consumes what the last rank's chunk c produced, which takes a group of {P} "
+            f"microbatches to fill the ring; got num_microbatches={M} < num_stages={P}. "
+            f"Any num_microbatches >= {P} works (or use '1f1b').")
+    G = P if group_size is None else group_size
+    if not P <= G <= M:
+        raise ValueError(f"microbatch_group_size_per_vp_stage must be in [num_stages, num_microbatches] "
+                         f"= [{P}, {M}], got {G}")
 
 
 def placement_of(name: Optional[str], num_model_chunks: int = 1) -> str:
-    """Where a schedule puts each rank's chunks: what the model must be built for.
-
-    'auto' over two chunks picks among the V-shaped schedules (auto_schedule.candidates)."""
-    return "v" if name in V_SHAPED or (name == "auto" and num_model_chunks == 2) else "loop"
-
-
-def _check_zero_bubble_args(name: str, P: int, M: int, V: int, group_size: int | None) -> None:
-    if group_size is not None:
-        raise ValueError(f"microbatch_group_size_per_vp_stage only applies to 'interleaved-1f1b', not {name!r}")
-    if P < 2:
-        raise ValueError(f"{name!r} needs num_stages >= 2, got {P}; with one stage use 'no-pipelining'")
-    want = (2,) if name in V_SHAPED else (1, 2) if name == "auto" else (1,)
-    if V not in want:
-        raise ValueError(f"{name!r} runs {' or '.join(map(str, want))} model chunk(s) per rank, got "
-                         f"num_model_chunks={V}" + ("; the V needs exactly two" if name in V_SHAPED else ""))
-    if name == "dualpipev" and M < 2 * P:
-        raise ValueError(f"'dualpipev' needs num_microbatches >= 2 * num_stages = {2 * P} (its main loop "
-                         f"pairs microbatches from both arms of the V), got {M}; use 'zb-v' for fewer")
+    """registry.placement_of, for pipeline/forward_backward.py and training/training.py until they import
+    it from the registry (both are being edited elsewhere); then this goes."""
+    from .registry import placement_of as registry_placement_of
+    return registry_placement_of(name, num_model_chunks)
 
 
 # --- one chunk per rank: compute order, then comm next to the compute ---------------------------
@@ -253,7 +238,7 @@ def _1f1b_order(P: int, M: int) -> Order:
     return orders
 
 
-def _add_comm(num_stages: int, num_model_chunks: int, orders: Order, placement: str = "loop") -> list[list[Action]]:
+def add_comm(num_stages: int, num_model_chunks: int, orders: Order, placement: str = "loop") -> list[list[Action]]:
     """Put each RECV right before the compute that needs it and each SEND right after the one
     that produced it.  Consecutive comm actions then form one batch, so a 1F1B steady state
     gets Megatron's fused send_forward_recv_backward / send_backward_recv_forward.
@@ -289,7 +274,7 @@ def forward_only_schedule(schedule: Schedule) -> Schedule:
     """
     P, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_model_chunks
     orders = [[("F", mb, chunk) for mb in range(M) for chunk in range(V)] for _ in range(P)]
-    return Schedule(schedule.name + "/forward-only", P, M, V, _add_comm(P, V, orders, schedule.placement),
+    return Schedule(schedule.name + "/forward-only", P, M, V, add_comm(P, V, orders, schedule.placement),
                     schedule.placement)
 
 
@@ -343,7 +328,11 @@ def num_warmup_microbatches(name: str, rank: int, num_stages: int, num_microbatc
         # downstream rank (one step for the forward to reach it, one for the gradient to return).
         return min((P - rank - 1) * 2 + (V - 1) * first_group, M * V)
     # 1F1B: the forwards in flight before the first backward can arrive.
-    return {"no-pipelining": 0, "gpipe": M, "1f1b": min(P - rank - 1, M)}[_known(name)]
+    counts = {"no-pipelining": 0, "gpipe": M, "1f1b": min(P - rank - 1, M)}
+    if name not in counts:
+        raise ValueError(f"{name!r} has no warm-up count: it is not one of Megatron's schedules ({', '.join(counts)}, "
+                         "interleaved-1f1b)")
+    return counts[name]
 
 
 def _interleaved_actions(num_stages: int, num_microbatches: int, num_model_chunks: int,
@@ -411,27 +400,12 @@ def _interleaved_actions(num_stages: int, num_microbatches: int, num_model_chunk
     return actions
 
 
-Builder = Callable[[int, int, int, Optional[int]], list[list[Action]]]  # (P, M, V, group size) -> actions
-
-
 def _one_chunk(order: Callable[[int, int], Order]) -> Builder:
-    return lambda P, M, V, G: _add_comm(P, V, order(P, M))
+    return lambda P, M, V, G: add_comm(P, V, order(P, M))
 
 
-# Megatron's schedules, name -> builder; the zero-bubble ones are zero_bubble.BUILDERS.
-SCHEDULES: dict[str, Builder] = {
-    "no-pipelining": _one_chunk(_no_pipelining_order),
-    "gpipe": _one_chunk(_gpipe_order),
-    "1f1b": _one_chunk(_1f1b_order),
-    "interleaved-1f1b": _interleaved_actions,
-}
-
-
-# Every name build_schedule (pipeline/registry.py) knows: these, the zero-bubble ones (zero_bubble.py) and 'auto'.
-SCHEDULE_NAMES = tuple(SCHEDULES) + ZERO_BUBBLE
-
-
-def _known(name: str) -> str:
-    if name not in SCHEDULE_NAMES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(SCHEDULE_NAMES)}")
-    return name
+# Megatron's schedules' builders; their records are pipeline/registry.py's.
+build_no_pipelining = _one_chunk(_no_pipelining_order)
+build_gpipe = _one_chunk(_gpipe_order)
+build_1f1b = _one_chunk(_1f1b_order)
+build_interleaved = _interleaved_actions

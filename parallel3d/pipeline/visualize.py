@@ -18,7 +18,7 @@ from fractions import Fraction
 from math import gcd, lcm
 
 from parallel3d.pipeline.registry import build_schedule
-from parallel3d.pipeline.schedules import SCHEDULE_NAMES
+from parallel3d.pipeline.registry import SCHEDULE_NAMES
 from parallel3d.pipeline.simulate import SimResult, simulate
 
 

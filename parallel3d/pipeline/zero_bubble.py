@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .schedules import (SCHEDULES, Action, ActionKind, Builder, Schedule, _add_comm, check_schedule_args,
-                        placement_of, stage_location, virtual_stage)
+from .schedules import (Action, ActionKind, Builder, Schedule, ScheduleRecord, add_comm, stage_location,
+                        virtual_stage)
 
 Step = tuple[str, int, int]  # (kind "F" | "B" | "W", microbatch, chunk)
 Times = tuple[float, float, float]  # (forward, backward = input gradient, weight gradient)
@@ -301,17 +301,27 @@ def _builder(order, placement: str, V: int) -> Builder:
     # One chunk: comm next to the compute, as 1F1B (times every order exactly as built).
     # The V: two flows share each pair of ranks, so their messages are ordered by level.
     if V == 1:
-        return lambda P, M, _V, G: _add_comm(P, V, order(P, M), placement)
+        return lambda P, M, _V, G: add_comm(P, V, order(P, M), placement)
     return lambda P, M, _V, G: with_comm(order(P, M), P, V, placement)
 
 
-# The zero-bubble schedules, name -> builder ('auto', built from the others, is pipeline/registry.py's).
-BUILDERS: dict[str, Builder] = {"zb-h1": _builder(zb_h1_orders, "loop", 1), "zb-h2": _builder(zb_h2_orders, "loop", 1),
-                                "zb-v": _builder(zb_v_orders, "v", 2), "dualpipev": _builder(dualpipev_orders, "v", 2)}
+# The zero-bubble schedules' builders; their records are pipeline/registry.py's.
+build_zb_h1 = _builder(zb_h1_orders, "loop", 1)
+build_zb_h2 = _builder(zb_h2_orders, "loop", 1)
+build_zb_v = _builder(zb_v_orders, "v", 2)
+build_dualpipev = _builder(dualpipev_orders, "v", 2)
 
 
-def build_named(name: str, P: int, M: int, V: int, group_size: int | None = None) -> Schedule:
-    """Any schedule but 'auto' by name (Megatron's or a zero-bubble one), its arguments checked first."""
-    check_schedule_args(name, P, M, V, group_size)
-    actions = (SCHEDULES.get(name) or BUILDERS[name])(P, M, V, group_size)
-    return Schedule(name, P, M, V, actions, placement_of(name, V))
+def check_zero_bubble_args(record: ScheduleRecord, P: int, M: int, V: int, group_size: int | None) -> None:
+    """The zero-bubble schedules' (and 'auto''s) rules: a ValueError naming them, else None."""
+    name = record.name
+    if group_size is not None:
+        raise ValueError(f"microbatch_group_size_per_vp_stage only applies to 'interleaved-1f1b', not {name!r}")
+    if P < 2:
+        raise ValueError(f"{name!r} needs num_stages >= 2, got {P}; with one stage use 'no-pipelining'")
+    if V not in record.chunks:
+        raise ValueError(f"{name!r} runs {' or '.join(map(str, record.chunks))} model chunk(s) per rank, got "
+                         f"num_model_chunks={V}" + ("; the V needs exactly two" if record.placement == "v" else ""))
+    if M < record.min_microbatches(P):
+        raise ValueError(f"{name!r} needs num_microbatches >= 2 * num_stages = {2 * P} (its main loop "
+                         f"pairs microbatches from both arms of the V), got {M}; use 'zb-v' for fewer")

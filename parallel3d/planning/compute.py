@@ -16,13 +16,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel3d.tensor_parallel.cross_entropy import loss_bytes_per_logit
-
 from .comm import all_gather_time, all_reduce_time, group_of, reduce_scatter_time
-from .hardware import ClusterSpec
+from .hardware import FLOPS_PER_LOSS_BYTE, LAYER_OVER_GEMMS, LOSS_BYTES_PER_LOGIT, ClusterSpec
 from .model import Layout, ModelSpec
 
 FLASH_BWD_FLOP_RATIO = 2.5  # FlashAttention-2's backward: 5 matmuls against the forward's 2
+
+
+
+def head_cost_in_layers(hidden_size: int, seq_length: int, padded_vocab_size: int,
+                        tensor_parallel: bool = False) -> float:
+    """The output layer and loss in units of one transformer layer's training time (what the balanced pipeline
+    split puts on the last stage). Layer: 72 b s h^2 + 12 b s^2 h GEMM FLOPs (QKV, projection, a 4h MLP, the
+    scores; forward plus backward = 3x forward) x LAYER_OVER_GEMMS; output layer: 6 b s h V FLOPs plus the
+    loss's passes over the b s V logits (LOSS_BYTES_PER_LOGIT at FLOPS_PER_LOSS_BYTE, hardware's tables)."""
+    h, s, V = hidden_size, seq_length, padded_vocab_size
+    loss_bytes = sum(LOSS_BYTES_PER_LOGIT[tensor_parallel])
+    return (6 * h * V + loss_bytes * V * FLOPS_PER_LOSS_BYTE) / ((72 * h * h + 12 * s * h) * LAYER_OVER_GEMMS)
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,7 @@ def _passes(cluster: ClusterSpec, nbytes: float, kernels: int) -> float:
 
 
 def _loss_passes(cluster: ClusterSpec, nbytes: float, kernels: int) -> float:
-    """The loss's passes: ``loss_bytes_per_logit`` gives effective bytes at copy bandwidth."""
+    """The loss's passes: planning.hardware.LOSS_BYTES_PER_LOGIT gives effective bytes at copy bandwidth."""
     return nbytes / (cluster.copy_gbs * 1e9) + kernels * cluster.kernel_launch_us * 1e-6
 
 
@@ -95,7 +105,7 @@ def _attention_core(model: ModelSpec, layout: Layout, cluster: ClusterSpec, elem
     b, s, d = layout.micro_batch_size, model.seq_length, model.head_dim
     heads = model.num_attention_heads // layout.tp
     peak = cluster.gemm.peak_tflops * 1e12
-    if model.attention_backend == "flash":
+    if model.attention_backend == "sdpa":
         flops = 4.0 * b * heads * s * s * d / 2  # causal: the kernel skips the masked half
         launch = cluster.kernel_launch_us * 1e-6
         return (flops / (peak * cluster.attention_fwd_efficiency) + launch,
@@ -245,7 +255,7 @@ def head_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, holds_embe
     vocab = model.vocab(t) // t
     f, i, w = _linear(cluster, tokens, vocab, h, elem)
     logits = tokens * vocab
-    loss_fwd, loss_bwd = loss_bytes_per_logit(tensor_parallel=t > 1)
+    loss_fwd, loss_bwd = LOSS_BYTES_PER_LOGIT[t > 1]
     fwd = f + _passes(cluster, sp_tokens * h * 2 * elem, 2) + _loss_passes(cluster, logits * loss_fwd, 6)
     bwd_in = i + _passes(cluster, sp_tokens * h * 3 * elem, 2) + _loss_passes(cluster, logits * loss_bwd, 4)
     if not model.untie_embeddings_and_output_weights:

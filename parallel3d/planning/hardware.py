@@ -158,6 +158,19 @@ _H100_COMMON = dict(
     intra_p2p_gbs=365.0,  # measured 1 GiB send rank 0 -> rank 1 (NVLink 4)
 )
 
+# The pipeline split's price of the output layer and loss (compute.head_cost_in_layers): bytes of memory
+# traffic worth one GEMM FLOP's time, and a layer's time over its GEMMs' alone. H100, GPT-1.3B, 2026-11-26:
+# GEMMs at ~650 TFLOP/s against ~3 TB/s copies; a layer measured 4.9 ms forward + backward for 4.45 ms of
+# GEMMs. Calibrated so that the loss path measured there gives the measured head: 3.8 layers (11.2 ms
+# forward + 7.5 ms backward) at PP=4.
+FLOPS_PER_LOSS_BYTE = 200.0
+LAYER_OVER_GEMMS = 1.1
+# Effective bytes the memory-bound loss moves per logit element, (forward, backward), at copy bandwidth, by
+# whether it runs tensor-parallel, measured on H100 (BENCHMARKS.md): TP > 1, the vocab-parallel algorithm,
+# whole (the last stage's forward and backward minus the logits GEMMs); TP = 1, the fused kernel
+# (bench/kernels_bench.py; it reads a bf16 logit once forward, reads it and writes its gradient backward).
+LOSS_BYTES_PER_LOGIT = {True: (64.0, 24.0), False: (2.2, 4.2)}
+
 PRESETS: dict[str, ClusterSpec] = {
     "a100-80gb-sc21": ClusterSpec(
         name="a100-80gb-sc21", gpus_per_node=8, num_nodes=384, memory_gib=80.0, gemm=_A100_GEMM,

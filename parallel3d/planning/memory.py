@@ -12,13 +12,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
 from typing import Optional
 
-from parallel3d.pipeline.layout import layer_partition_from_args
+from parallel3d.pipeline.layout import layer_partition as pipeline_layer_partition
 from parallel3d.pipeline.schedules import virtual_stage
 from parallel3d.tensor_parallel.cross_entropy import loss_memory_per_logit
 
+from .compute import head_cost_in_layers
 from .hardware import GIB, ClusterSpec
 from .model import Layout, ModelSpec
 
@@ -59,15 +59,11 @@ class MemoryBreakdown:
 
 @functools.lru_cache(maxsize=256)
 def layer_partition(model: ModelSpec, layout: Layout) -> list[list[range]]:
-    """result[rank][chunk]: the layers training places there (examples/pretrain_gpt.py's layer_partition):
-    parallel3d.pipeline.layout's counts for --pipeline-split, in the schedule's chunk placement."""
-    P, V = layout.pp, layout.virtual_stages(model)
-    args = SimpleNamespace(
-        num_layers=model.num_layers, hidden_size=model.hidden_size, seq_length=model.seq_length,
-        vocab_size=model.vocab_size, tensor_model_parallel_size=layout.tp,  # which loss the head cost counts
-        pipeline_split=layout.pipeline_split, pipeline_model_parallel_layout=None,
-        decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
-    return layer_partition_from_args(args, P, V, layout.placement(model), model.vocab(layout.tp))
+    """result[rank][chunk]: the layers training places there, by --pipeline-split
+    (parallel3d.pipeline.layout.layer_partition, the rule training builds by)."""
+    head = head_cost_in_layers(model.hidden_size, model.seq_length, model.vocab(layout.tp), layout.tp > 1)
+    return pipeline_layer_partition(model.num_layers, layout.pp, layout.virtual_stages(model), layout.placement(model),
+                                    split=layout.pipeline_split, head_cost=head)
 
 
 def rank_chunks(model: ModelSpec, layout: Layout, rank: int) -> list[tuple[int, bool, bool]]:
@@ -111,7 +107,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | No
     # Split by TP: Q, K, V; the attention output (projection input); FC1 output; FC2 input.
     sharded = s * b * (model.q_size + 2 * model.kv_size + model.q_size + model.fc1_out + model.ffn) * elem / t
     scores = 0.0
-    if model.attention_backend == "unfused" and recompute != "selective":
+    if model.attention_backend == "local" and recompute != "selective":
         heads = model.num_attention_heads // t
         scores = b * heads * s * s * (2 * elem + 1 if mask else elem)  # softmax out (+ dropout mask and out)
     return replicated + sharded + scores

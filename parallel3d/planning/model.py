@@ -1,16 +1,19 @@
 """Model and layout descriptions (Megatron's argument names), parameter counts and FLOPs.
 
-The parameter counts follow models/gpt.py layer by layer (tests/test_planning.py checks them
-against real models); ``num_floating_point_operations`` is Megatron's FLOPs formula, the one
-``parallel3d.training`` reports.
+ModelSpec is a frozen view of the model's TransformerConfig (``ModelSpec.from_config``), with the
+config's derived defaults and attention backend names; the parameter counts follow models/gpt.py
+layer by layer (tests/test_planning.py checks them, and the FLOPs, against built models);
+``num_floating_point_operations`` is the config's, the one ``parallel3d.training`` reports.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
+from parallel3d.models.config import (ATTENTION_BACKENDS, TransformerConfig, default_ffn_hidden_size,
+                                      num_floating_point_operations)
 from parallel3d.pipeline.forward_backward import default_schedule_name
-from parallel3d.pipeline.schedules import SCHEDULE_NAMES, V_SHAPED, check_schedule_args, placement_of
+from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, check_schedule_args, placement_of
 from parallel3d.tensor_parallel import vocab_size_with_padding
 
 RECOMPUTE_CHOICES = (None, "selective", "full")
@@ -27,7 +30,7 @@ class ModelSpec:
     seq_length: int
     vocab_size: int
     num_query_groups: Optional[int] = None  # None: as many as heads (no GQA)
-    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size (Megatron's default)
+    ffn_hidden_size: Optional[int] = None  # None: the config's default (4h, LLaMA's width under SwiGLU)
     kv_channels: Optional[int] = None  # None: hidden_size // num_attention_heads
     swiglu: bool = False
     add_bias_linear: bool = True
@@ -38,7 +41,7 @@ class ModelSpec:
     make_vocab_size_divisible_by: int = 128
     padded_vocab_size: Optional[int] = None  # given: used as is, whatever the TP size
     hidden_dropout: float = 0.0  # > 0 keeps 1-byte masks per dropout for backward
-    attention_backend: str = "flash"  # "flash" (SDPA) or "unfused" (scores in memory, SC21-era)
+    attention_backend: str = "sdpa"  # TransformerConfig's: "sdpa" (flash), "local" (scores in memory, SC21-era)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
@@ -47,25 +50,17 @@ class ModelSpec:
         if self.num_attention_heads % self.query_groups:
             raise ValueError(f"--num-attention-heads ({self.num_attention_heads}) must be a multiple of "
                              f"--num-query-groups ({self.query_groups})")
-        if self.attention_backend not in ("flash", "unfused"):
-            raise ValueError(f"attention_backend must be 'flash' or 'unfused', got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 
     @classmethod
-    def from_args(cls, args, **overrides) -> "ModelSpec":
-        """From parallel3d's (Megatron's) parsed arguments, e.g. those bench/gpt_bench.py builds."""
-        get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-        fields = dict(
-            num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-            seq_length=args.seq_length, vocab_size=args.vocab_size, num_query_groups=get("num_query_groups"),
-            ffn_hidden_size=get("ffn_hidden_size"), kv_channels=get("kv_channels"), swiglu=bool(get("swiglu")),
-            add_bias_linear=not get("disable_bias_linear", False), normalization=get("normalization", "LayerNorm"),
-            position_embedding_type=get("position_embedding_type", "learned_absolute"),
-            untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
-            max_position_embeddings=get("max_position_embeddings"),
-            make_vocab_size_divisible_by=get("make_vocab_size_divisible_by", 128),
-            padded_vocab_size=get("padded_vocab_size"), hidden_dropout=get("hidden_dropout", 0.0) or 0.0)
-        fields.update(overrides)
-        return cls(**fields)
+    def from_config(cls, config: TransformerConfig) -> "ModelSpec":
+        """The model training builds from ``config`` (its derived sizes; the vocabulary padded per layout's TP)."""
+        return cls(**{f: getattr(config, f) for f in (
+            "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "num_query_groups",
+            "ffn_hidden_size", "kv_channels", "swiglu", "add_bias_linear", "normalization", "position_embedding_type",
+            "untie_embeddings_and_output_weights", "max_position_embeddings", "make_vocab_size_divisible_by",
+            "hidden_dropout", "attention_backend")})
 
     # Derived sizes (per whole model, before TP).
     @property
@@ -86,7 +81,7 @@ class ModelSpec:
 
     @property
     def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        return self.ffn_hidden_size or default_ffn_hidden_size(self.hidden_size, self.swiglu)
 
     @property
     def fc1_out(self) -> int:
@@ -251,20 +246,6 @@ class Layout:
         if self.pp > 1:  # the schedule's own microbatch and chunk rules, as training checks them
             check_schedule_args(self.schedule_name(model), self.pp, self.num_microbatches, self.virtual_stages(model),
                                 None)
-
-
-def num_floating_point_operations(*, batch_size: int, seq_length: int, num_layers: int, hidden_size: int,
-                                  num_attention_heads: int, kv_channels: Optional[int],
-                                  num_query_groups: Optional[int], ffn_hidden_size: int, swiglu: bool,
-                                  padded_vocab_size: int) -> float:
-    """Model FLOPs of one iteration (Megatron's formula; causal attention counted as half)."""
-    h, L, s = hidden_size, num_layers, seq_length
-    head_dim = kv_channels or h // num_attention_heads
-    q = num_attention_heads * head_dim
-    k = (num_query_groups or num_attention_heads) * head_dim
-    g = 3 if swiglu else 2
-    return (6 * batch_size * s * (L * (h * (q + 2 * k) + q * h + g * h * ffn_hidden_size) + h * padded_vocab_size)
-            + 6 * batch_size * s * s * L * q)
 
 
 def model_flops(model: ModelSpec, batch_size: int, tp: int = 1) -> float:

@@ -42,7 +42,7 @@ TABLE_1 = [
 def sc21_model(row: SC21Row) -> ModelSpec:
     return ModelSpec(num_layers=row.layers, hidden_size=row.hidden, num_attention_heads=row.heads,
                      seq_length=2048, vocab_size=51200, padded_vocab_size=51200, hidden_dropout=0.1,
-                     attention_backend="unfused")
+                     attention_backend="local")
 
 
 def sc21_layout(row: SC21Row, batch: int | None = None, interleaved: bool = True) -> Layout:

@@ -13,13 +13,14 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
-from parallel3d.pipeline.schedules import ZERO_BUBBLE, num_warmup_microbatches
+from parallel3d.pipeline.registry import SCHEDULES, ZERO_BUBBLE
+from parallel3d.pipeline.schedules import num_warmup_microbatches
 
 from .compute import optimizer_time
 from .hardware import ClusterSpec
 from .memory import memory_breakdown, params_on_rank
 from .model import Layout, ModelSpec
-from .step import StepEstimate, _dp_time, estimate, stage_costs
+from .step import StepEstimate, dp_time, estimate, stage_costs
 
 
 @dataclass
@@ -48,9 +49,10 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, num_gpus: int, base: Layo
         dp = num_gpus // (tp * pp)
         per_stage = model.num_layers // pp
         vps = [None] + ([v for v in _divisors(per_stage) if v < per_stage and per_stage // v <= 8] if pp > 1 else [])
-        # (virtual layers, schedule): Megatron's 1F1B / interleaved, and each zero-bubble schedule ('auto'
-        # picks among these, so it adds nothing)
-        pipelines = [(vp, None) for vp in vps] + [(None, z) for z in ZERO_BUBBLE if z != "auto" and pp > 1]
+        # (virtual layers, schedule): Megatron's 1F1B / interleaved, and each zero-bubble schedule 'auto'
+        # picks among (so 'auto' adds nothing)
+        pipelines = [(vp, None) for vp in vps] + [(None, z) for z, r in SCHEDULES.items()
+                                                  if r.splits_backward and r.auto_candidate and pp > 1]
         for mbs, (vp, schedule), rc, zero in itertools.product(micro_batch_sizes, pipelines, (None, "selective", "full"),
                                                               (False, True) if dp > 1 else (False,)):
             layout = replace(base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -79,7 +81,8 @@ def lower_bound(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> tuple
         work = M * sum(c.forward + c.backward for c in row)
         window = sum(c.backward for c in row)
         n = params_on_rank(model, layout, rank)
-        best = max(best, start + work + _dp_time(model, layout, cluster, rank, window) + optimizer_time(n, layout, cluster))
+        dp = dp_time(model, layout, cluster, rank, window)
+        best = max(best, start + work + dp + optimizer_time(n, layout, cluster))
         start += row[0].forward
         # The most (microbatch, chunk) forwards a rank holds: its warm-up plus the first steady one.
         # (A zero-bubble schedule's count is only known from its simulation: 1, a lower bound.)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from parallel3d.pipeline.registry import build_schedule
-from parallel3d.pipeline.schedules import V_SHAPED, Schedule
+from parallel3d.pipeline.registry import V_SHAPED
+from parallel3d.pipeline.schedules import Schedule
 from parallel3d.pipeline.simulate import SimResult, simulate
 
 from .comm import Group, all_gather_time, all_reduce_time, group_of, p2p_time, reduce_scatter_time
@@ -166,7 +167,7 @@ def simulate_pipeline(name: str, P: int, M: int, V: int, costs: StageTimes, comm
     return PipelineTiming(extend(r1.makespan, r2.makespan), finish, busy, r2.peak_inflight, r2)
 
 
-def _dp_time(model: ModelSpec, layout: Layout, cluster: ClusterSpec, rank: int, overlap_window: float) -> float:
+def dp_time(model: ModelSpec, layout: Layout, cluster: ClusterSpec, rank: int, overlap_window: float) -> float:
     """Exposed gradient reduction (+ ZeRO parameter all-gather, + tied-embedding sync) of one rank."""
     n = params_on_rank(model, layout, rank)
     total = 0.0
@@ -223,7 +224,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec, breakdown: 
     ends = []
     for rank in range(P):
         window = sum(c.backward for c in costs[rank])  # one microbatch's backward on this rank
-        dp = _dp_time(model, layout, cluster, rank, window)
+        dp = dp_time(model, layout, cluster, rank, window)
         opt = optimizer_time(params_on_rank(model, layout, rank), layout, cluster)
         ends.append((timing.finish[rank] + dp + opt, rank, dp, opt))
     step, crit, dp_s, opt_s = max(ends)

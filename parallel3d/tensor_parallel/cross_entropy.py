@@ -21,22 +21,6 @@ from .mappings import all_reduce
 from .utils import group_rank_and_size, resolve_tp_group, tp_collective
 
 
-def loss_bytes_per_logit(tensor_parallel: bool) -> tuple[float, float]:
-    """Effective bytes the loss moves per logit element, (forward, backward), at copy bandwidth.
-
-    The cost models use it (the planner's head cost, the balanced pipeline split): the loss is
-    memory-bound, and on GPT-1.3B it cost more than its logits GEMM.
-    - TP > 1, the vocab-parallel algorithm: 64 and 24, measured whole on H100 (the last pipeline
-      stage's forward and backward minus the logits GEMMs, BENCHMARKS.md); about 1.4x / 1.1x the
-      bytes its passes count (fp32 copy, mask, max, shift, exp, sum, divide; clone, scale, cast).
-    - TP = 1, the fused kernel (the default on CUDA): forward reads each bf16 logit once (2), backward
-      reads it and writes its gradient (4); measured on H100 (bench/kernels_bench.py, [8192, 50304]
-      and [8192, 128256]): 2.2 and 4.2. (Its PyTorch fallback, on CPUs or with the kernels off, moves
-      about 30 and 18.)
-    """
-    return (64.0, 24.0) if tensor_parallel else (2.2, 4.2)
-
-
 def loss_memory_per_logit(tensor_parallel: bool) -> tuple[float, float]:
     """Bytes per logit element the loss holds, (at its peak, from its forward to its backward).
 

@@ -3,9 +3,8 @@ config, checkpoints and the Megatron run-time flags.
 
 The core library (``parallel3d.parallel_state``, ``device``, ``tensor_parallel``, ``pipeline``,
 ``distributed``, ``data``, ``fused``, ``planning``, ``model_chunk``, ``progress``, ``bootstrap``)
-never imports this package: embedding the core needs none of it. The loop's entry points are
-re-exported here so that ``from parallel3d.training import pretrain`` (README's import path) keeps
-working now that the loop lives in ``parallel3d.training.training``.
+never imports this package: embedding the core needs none of it. The loop's entry points
+(``parallel3d.training.training``) are re-exported here: ``from parallel3d.training import pretrain``.
 """
 from .training import (
     LossAverager,

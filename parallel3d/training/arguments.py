@@ -25,7 +25,7 @@ from parallel3d.training.megatron_args import (
 )
 from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size
 from parallel3d.pipeline.forward_backward import default_schedule_name
-from parallel3d.pipeline.schedules import SCHEDULE_NAMES, V_SHAPED, check_schedule_args
+from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, check_schedule_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
