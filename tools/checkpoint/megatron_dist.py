@@ -37,6 +37,7 @@ _META_CLASSES = {
     "torch.serialization": {"_get_layout"},
     "torch": {"Size", "float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"},
     "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath"},  # StorageMeta's checkpoint_id
 }
 _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -70,7 +71,8 @@ class MegatronDistLoader:
         self.ckpt_dir = ckpt_dir
         backend = os.path.join(ckpt_dir, "metadata.json")
         if os.path.isfile(backend):
-            kind = json.load(open(backend)).get("sharded_backend")
+            with open(backend) as f:
+                kind = json.load(f).get("sharded_backend")
             if kind not in (None, "torch_dist"):
                 raise ConversionError(f"{backend}: sharded_backend {kind!r} is not supported (torch_dist only; "
                                       "zarr checkpoints: convert them to torch_dist with Megatron first)")

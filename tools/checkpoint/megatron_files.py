@@ -70,7 +70,8 @@ def find_checkpoint(load_dir: str) -> tuple[str, Optional[int]]:
     if not os.path.isfile(tracker):
         raise ConversionError(f"{load_dir} holds no Megatron-LM checkpoint: {TRACKER_FILE} is missing (or pass the "
                               "iter_NNNNNNN directory itself)")
-    text = open(tracker).read().strip()
+    with open(tracker) as f:
+        text = f.read().strip()
     if text == "release":
         sub, iteration = "release", None
     else:
@@ -126,8 +127,8 @@ _CONFIGS = ("megatron.core.optimizer.optimizer_config.OptimizerConfig",
 def _allowed_globals() -> list:
     """What a Megatron-LM checkpoint may hold besides tensors (megatron.core.safe_globals' list, Megatron's own
     classes replaced by inert stand-ins). Nothing that imports, executes or opens files."""
-    allowed: list = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO, signal.Signals,
-                     numpy.ndarray, numpy.dtype]
+    allowed: list = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO, bytes,
+                     signal.Signals, numpy.ndarray, numpy.dtype]
     try:  # numpy 2 (a file written under numpy 1.x names numpy.core's: the same function)
         from numpy._core.multiarray import _reconstruct
     except ImportError:
@@ -158,9 +159,10 @@ def safe_load(path: str, what: str = "a Megatron-LM checkpoint file") -> Any:
                     raise
                 return torch.load(path, map_location="cpu", weights_only=True)  # an old (non-zip) torch.save file
         except pickle.UnpicklingError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            why = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\. |$)", str(e), re.M)
             raise ConversionError(f"{path}: refused to unpickle {what}: it holds an object outside the allow-list "
-                                  f"(tensors, argparse.Namespace, numpy arrays, Megatron's enums): {first}") from None
+                                  f"(tensors, argparse.Namespace, numpy arrays, Megatron's enums): "
+                                  f"{why.group(1) if why else str(e).strip()[:200]}") from None
         except (RuntimeError, EOFError, OSError) as e:
             raise ConversionError(f"cannot read {path}: {e}") from None
 
