@@ -179,6 +179,21 @@ def test_padded_vocabulary_is_kept_without_a_true_vocab_size(tmp_path):
     _assert_same_model(_units_of(Parallel3dLoader(str(tmp_path / "true")), 8), units)
 
 
+def test_args_without_layout_or_padding_take_them_from_the_files(tmp_path):
+    """Hand-made args (no TP / PP sizes, no padded vocabulary, another padding multiple): the files decide."""
+    units = _full_model("llama")
+    src = _write_megatron(str(tmp_path / "meg"), "llama", units, 2, 2)
+    for rank in ("mp_rank_00_000", "mp_rank_01_000", "mp_rank_00_001", "mp_rank_01_001"):
+        path = os.path.join(src, "iter_0000020", rank, "model_optim_rng.pt")
+        state = torch.load(path, weights_only=False)
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size",
+                     "make_vocab_size_divisible_by"):
+            delattr(state["args"], name)  # 112 rows at TP=2, where the default multiple 128 x 2 would give 256
+        torch.save(state, path)
+    convert("megatron", "parallel3d", src, str(tmp_path / "p3d"))
+    _assert_same_model(_units_of(Parallel3dLoader(str(tmp_path / "p3d")), 8), units)
+
+
 # ------------------------------------------------------------------------------------ round trips
 
 
@@ -207,7 +222,8 @@ def test_megatron_export_layout(tmp_path):
     out = str(tmp_path / "out")
     convert("megatron", "megatron", src, out, target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
             target_virtual_pipeline_parallel_size=2)
-    assert open(os.path.join(out, "latest_checkpointed_iteration.txt")).read() == "release"
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read() == "release"
     assert sorted(os.listdir(os.path.join(out, "release"))) == [
         "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     last = torch.load(os.path.join(out, "release", "mp_rank_01_001", "model_optim_rng.pt"), weights_only=False)

@@ -238,4 +238,4 @@ def test_megatron_core_checkpoints_in_both_formats_convert_both_ways(tmp_path):
                                        msg=lambda m: f"{family} {fmt}: {m}")
         # the export, loaded by Megatron-Core: the real vocabulary's logits are Megatron-Core's own
         torch.testing.assert_close(back[..., :TRUE_VOCAB], logits[..., :TRUE_VOCAB], rtol=1e-5, atol=1e-5)
-        assert open(tmp_path / family / "back" / "latest_checkpointed_iteration.txt").read() == str(ITERATION)
+        assert (tmp_path / family / "back" / "latest_checkpointed_iteration.txt").read_text() == str(ITERATION)

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from .megatron_files import DIST_METADATA, FUSED_NORM_NAMES, config_from_args, safe_load
+from .megatron_files import DIST_METADATA, FUSED_NORM_NAMES, config_from_args, fit_padded_vocab, safe_load
 from .schema import ConversionError, embedding_specs, head_specs, layer_specs
 
 COMMON_FILE = "common.pt"
@@ -101,6 +101,9 @@ class MegatronDistLoader:
                 self._stacked[FUSED_NORM_NAMES.get(name, name)] = fqn
             else:
                 self._plain[fqn] = fqn
+        if "embedding.word_embeddings.weight" in self._plain:
+            rows = self._index.state_dict_metadata["embedding.word_embeddings.weight"].size[0]
+            self.config = fit_padded_vocab(config, rows, os.path.join(ckpt_dir, DIST_METADATA))
         self._check()
         self.dtype = self._dtype("embedding.word_embeddings.weight")
 

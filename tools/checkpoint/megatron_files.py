@@ -20,6 +20,7 @@ The saved ``args`` give the model's shape (as Megatron's ``--use-checkpoint-args
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import os
 import pathlib
@@ -174,8 +175,10 @@ _REFUSED = ("num_experts", "multi_latent_attention", "qk_layernorm", "rotary_int
             "apply_layernorm_1p", "use_rope_scaling", "mtp_num_layers")
 
 
-def config_from_args(args: Any, where: str, vocab_size: Optional[int] = None) -> TransformerConfig:
-    """The model (TP as saved, PP 1: a loader finds the pipeline split from the files) of saved Megatron args."""
+def config_from_args(args: Any, where: str, vocab_size: Optional[int] = None,
+                     tensor_model_parallel_size: Optional[int] = None) -> TransformerConfig:
+    """The model of saved Megatron args, at TP ``tensor_model_parallel_size`` (default: the args') and PP 1 (a
+    loader finds the pipeline split from the files). Unset sizes take Megatron-Core's defaults."""
     if not isinstance(args, (argparse.Namespace, types.SimpleNamespace)):
         raise ConversionError(f"{where} holds no Megatron args (an argparse.Namespace under 'args'): the model's "
                               "shape is unknown")
@@ -204,7 +207,8 @@ def config_from_args(args: Any, where: str, vocab_size: Optional[int] = None) ->
         return TransformerConfig(
             num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
             num_query_groups=get("num_query_groups") if get("group_query_attention") else heads,
-            kv_channels=get("kv_channels"), ffn_hidden_size=get("ffn_hidden_size"), vocab_size=vocab,
+            kv_channels=get("kv_channels"), ffn_hidden_size=get("ffn_hidden_size") or 4 * args.hidden_size,
+            vocab_size=vocab,
             seq_length=get("seq_length") or get("max_position_embeddings"),
             max_position_embeddings=get("max_position_embeddings"),
             make_vocab_size_divisible_by=get("make_vocab_size_divisible_by", 128),
@@ -218,10 +222,25 @@ def config_from_args(args: Any, where: str, vocab_size: Optional[int] = None) ->
             apply_residual_connection_post_layernorm=bool(get("apply_residual_connection_post_layernorm")),
             hidden_dropout=get("hidden_dropout", 0.1), attention_dropout=get("attention_dropout", 0.1),
             init_method_std=get("init_method_std", 0.02), seed=get("seed", 1234),
-            tensor_model_parallel_size=get("tensor_model_parallel_size", 1), params_dtype=dtype,
+            tensor_model_parallel_size=tensor_model_parallel_size or get("tensor_model_parallel_size") or 1,
+            params_dtype=dtype,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
     except (TypeError, ValueError) as e:
         raise ConversionError(f"{where}: its args describe a model parallel3d cannot build: {e}") from None
+
+
+def fit_padded_vocab(config: TransformerConfig, rows: int, where: str) -> TransformerConfig:
+    """``config`` whose padded vocabulary is the ``rows`` the checkpoint's embedding has.
+
+    Megatron pads to a multiple of make_vocab_size_divisible_by x TP; args that record another
+    multiple (or none) than the one that produced ``rows`` get the multiple that does."""
+    if rows == config.padded_vocab_size:
+        return config
+    tp = config.tensor_model_parallel_size
+    if rows < config.vocab_size or rows % tp:
+        raise ConversionError(f"{where}: the embedding has {rows} rows, which cannot hold the vocabulary of "
+                              f"{config.vocab_size} split over TP={tp} (pass --true-vocab-size <= {rows})")
+    return dataclasses.replace(config, make_vocab_size_divisible_by=rows // tp)
 
 
 def args_from_config(config: TransformerConfig, iteration: int, known: Optional[dict] = None) -> argparse.Namespace:

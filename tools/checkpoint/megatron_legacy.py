@@ -34,8 +34,8 @@ from parallel3d.pipeline.partition import partition_layers
 from parallel3d.tools.checkpoint.parallel3d_format import virtual_stage_owner
 
 from .megatron_files import (CHECKPOINT_VERSION, FUSED_NORM_NAMES, LAYER_EXTRA_STATES, MODEL_FILE, TRACKER_FILE,
-                             args_from_config, config_from_args, iteration_dir_name, legacy_rank_dirs, rank_dir_name,
-                             safe_load)
+                             args_from_config, config_from_args, fit_padded_vocab, iteration_dir_name,
+                             legacy_rank_dirs, rank_dir_name, safe_load)
 from .schema import ConversionError, ParamSpec, embedding_specs, head_specs, layer_specs, merge, shard
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -92,19 +92,24 @@ class MegatronLegacyLoader:
             raise ConversionError(f"{first_path}: checkpoint_version {version} is Megatron-LM's pre-Megatron-Core "
                                   "layout (language_model.*); convert it with Megatron's tools/checkpoint first")
         self.args = args = first.get("args")
-        self.config = config = config_from_args(args, first_path, vocab_size)
-        tp = config.tensor_model_parallel_size
-        self._pp = pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-        self.iteration = iteration if iteration is not None else 0
+        # the layout its args record, else the one its rank directories show
+        tp = getattr(args, "tensor_model_parallel_size", None) or 1 + max(t for t, _ in dirs)
+        self._pp = pp = getattr(args, "pipeline_model_parallel_size", None) or 1 + max(p for _, p in dirs)
         expected = {(t, p) for t in range(tp) for p in range(pp)}
         if set(dirs) != expected:
             raise ConversionError(f"{ckpt_dir}: rank directories {sorted(os.path.basename(d) for d in dirs.values())} "
                                   f"do not match the saved layout TP={tp} x PP={pp} of its args")
+        config = config_from_args(args, first_path, vocab_size, tp)
+        self.iteration = iteration if iteration is not None else 0
         self._chunks: dict[tuple[int, int], list[dict[str, Any]]] = {}
         for (t, p), d in sorted(dirs.items()):
             path = os.path.join(d, MODEL_FILE)
             state = first if (t, p) == (0, 0) else safe_load(path)
             self._chunks[t, p] = self._model_chunks(state, path)
+        shards = [self._chunks[t, 0][0].get("embedding.word_embeddings.weight") for t in range(tp)]
+        if all(torch.is_tensor(s) and s.dim() == 2 for s in shards):  # else _check names what is missing
+            config = fit_padded_vocab(config, sum(s.shape[0] for s in shards), first_path)
+        self.config = config
         vp = len(self._chunks[0, 0])
         if any(len(c) != vp for c in self._chunks.values()):
             raise ConversionError(f"{ckpt_dir}: the rank files hold different numbers of model chunks")
