@@ -24,7 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from parallel3d.models.config import TransformerConfig  # noqa: E402
 from parallel3d.tools.checkpoint.megatron_files import config_from_args  # noqa: E402
 from parallel3d.tools.checkpoint.parallel3d_format import Parallel3dLoader  # noqa: E402
 from parallel3d.tools.checkpoint.schema import ConversionError, embedding_specs, head_specs, layer_specs  # noqa: E402
@@ -36,8 +35,9 @@ SHAPES = {
                   kv_channels=4, ffn_hidden_size=48, position_embedding_type="rope", normalization="RMSNorm",
                   swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True, rotary_base=5000),
     "gpt": dict(num_layers=8, hidden_size=32, num_attention_heads=8, group_query_attention=False, num_query_groups=1,
-                kv_channels=4, ffn_hidden_size=64, position_embedding_type="learned_absolute", normalization="LayerNorm",
-                swiglu=False, add_bias_linear=True, untie_embeddings_and_output_weights=False, rotary_base=10000),
+                kv_channels=4, ffn_hidden_size=64, position_embedding_type="learned_absolute",
+                normalization="LayerNorm", swiglu=False, add_bias_linear=True,
+                untie_embeddings_and_output_weights=False, rotary_base=10000),
 }
 
 
@@ -278,9 +278,6 @@ def test_torch_dist_loads_exactly(family, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ safety and refusals
-
-MARKER = []
-
 
 def _plant(path):  # what a malicious pickle would run: it must never be called
     open(path, "w").write("pwned")

@@ -253,8 +253,8 @@ def args_from_config(config: TransformerConfig, iteration: int, known: Optional[
     out = dict(known or {})
     out.update(
         num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-        ffn_hidden_size=c.ffn_hidden_size, kv_channels=c.kv_channels, group_query_attention=groups != c.num_attention_heads,
-        num_query_groups=groups, seq_length=c.seq_length, max_position_embeddings=c.max_position_embeddings,
+        ffn_hidden_size=c.ffn_hidden_size, kv_channels=c.kv_channels,
+        group_query_attention=groups != c.num_attention_heads, num_query_groups=groups, seq_length=c.seq_length, max_position_embeddings=c.max_position_embeddings,
         position_embedding_type=c.position_embedding_type, add_position_embedding=c.position_embedding_type ==
         "learned_absolute", use_rotary_position_embeddings=c.position_embedding_type == "rope",
         rotary_base=int(c.rotary_base) if float(c.rotary_base).is_integer() else c.rotary_base,
