@@ -213,6 +213,12 @@ def test_round_trip_parallel3d_megatron_parallel3d_is_bit_identical(family, tmp_
             target_virtual_pipeline_parallel_size=2)
     convert("megatron", "parallel3d", d, e)
     _assert_same_model(_units_of(Parallel3dLoader(e), 8), units)
+    f, g = str(tmp_path / "f"), str(tmp_path / "g")  # through torch_dist
+    convert("parallel3d", "megatron", e, f, target_tensor_parallel_size=2, ckpt_format="torch_dist")
+    assert sorted(os.listdir(os.path.join(f, "iter_0000020"))) == [
+        ".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    convert("megatron", "parallel3d", f, g, target_pipeline_parallel_size=2)
+    _assert_same_model(_units_of(Parallel3dLoader(g), 8), units)
 
 
 def test_megatron_export_layout(tmp_path):
@@ -351,6 +357,8 @@ def test_refusals_name_the_problem(tmp_path):
     assert "holds no Megatron-LM checkpoint" in _error("megatron", "parallel3d", str(tmp_path), out)
     assert "--model-type 'BERT' is not supported" in _error("megatron", "parallel3d", src, out, model_type="BERT")
     assert "--true-vocab-size" in _error("parallel3d", "megatron", src, out, true_vocab_size=100)
+    assert "--ckpt-format torch_dist applies to --saver megatron" in _error("megatron", "parallel3d", src, out,
+                                                                           ckpt_format="torch_dist")
     rank = os.path.join(src, "iter_0000020", "mp_rank_01_001", "model_optim_rng.pt")
     state = torch.load(rank, weights_only=False)
     state["model"]["decoder.layers.0.mlp.linear_fc2.weight"] = torch.zeros(32, 5)

@@ -6,8 +6,9 @@ saved with Megatron's own code in both formats: legacy (each rank's
 ``state_dict_for_save_checkpoint()`` under Megatron-LM's ``iter_NNNNNNN/mp_rank_XX_YYY/
 model_optim_rng.pt`` names) and ``torch_dist`` (``dist_checkpointing.save``). Converted to
 parallel3d at TP=1 x PP=1, parallel3d's logits equal Megatron-Core's; converted back to
-Megatron's legacy format at TP=2 x PP=2, a freshly initialised Megatron-Core model loads it with
-a strict ``load_state_dict`` and gives the same logits again.
+Megatron's legacy format at TP=2 x PP=2 and to torch_dist, a freshly initialised Megatron-Core model
+loads each (a strict ``load_state_dict``; ``dist_checkpointing.load(strict="raise_all")``) and gives
+the same logits again.
 
 Megatron-Core on a CPU needs: use_cpu_initialization, an explicit causal mask, and shims for
 ``torch.cuda.current_device`` / ``synchronize`` / ``Tensor.cuda`` and the CUDA RNG tracker's fork
@@ -164,6 +165,14 @@ def _save_dist(model, args, root):
             f.write(str(ITERATION))
 
 
+def _load_dist(model, path):
+    from megatron.core import dist_checkpointing
+    from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()  # as Megatron-LM does at start-up: common.pt holds its argparse.Namespace
+    return dist_checkpointing.load({"model": model.sharded_state_dict()}, path, strict="raise_all")
+
+
 def _worker(rank, world_size, root, families):
     warnings.filterwarnings("ignore")
     _shims()
@@ -189,6 +198,8 @@ def _worker(rank, world_size, root, families):
                             true_vocab_size=TRUE_VOCAB)
                 convert("parallel3d", "megatron", os.path.join(base, "p3d_legacy"), os.path.join(base, "back"),
                         target_tensor_parallel_size=TP, target_pipeline_parallel_size=PP)
+                convert("parallel3d", "megatron", os.path.join(base, "p3d_dist"), os.path.join(base, "back_dist"),
+                        target_tensor_parallel_size=TP, ckpt_format="torch_dist")
             torch.distributed.barrier()
             fresh = _build(family, seed=99)
             tp, pp = mps.get_tensor_model_parallel_rank(), mps.get_pipeline_model_parallel_rank()
@@ -196,7 +207,10 @@ def _worker(rank, world_size, root, families):
                                             "model_optim_rng.pt"), weights_only=False)
             fresh.load_state_dict(saved["model"], strict=True)
             back = _logits(fresh, tokens)
-            out[family] = (tokens, logits, back, saved["args"].padded_vocab_size)
+            fresh = _build(family, seed=98)
+            loaded = _load_dist(fresh, os.path.join(base, "back_dist", f"iter_{ITERATION:07d}"))
+            fresh.load_state_dict(loaded["model"], strict=True)
+            out[family] = (tokens, logits, back, _logits(fresh, tokens), saved["args"].padded_vocab_size)
     finally:
         mps.destroy_model_parallel()
     return out
@@ -229,7 +243,7 @@ def test_megatron_core_checkpoints_in_both_formats_convert_both_ways(tmp_path):
     last = [r for r in results if r[families[0]][1] is not None]
     assert len(last) == TP  # the last pipeline stage's TP ranks hold the (gathered) logits
     for family in families:
-        tokens, logits, back, padded = last[0][family]
+        tokens, logits, back, back_dist, padded = last[0][family]
         assert logits.shape == (2, SEQ, PADDED_VOCAB) and padded == PADDED_VOCAB
         for fmt in ("legacy", "dist"):
             ours, meta = _parallel3d_logits(str(tmp_path / family / f"p3d_{fmt}"), tokens)
@@ -238,4 +252,5 @@ def test_megatron_core_checkpoints_in_both_formats_convert_both_ways(tmp_path):
                                        msg=lambda m: f"{family} {fmt}: {m}")
         # the export, loaded by Megatron-Core: the real vocabulary's logits are Megatron-Core's own
         torch.testing.assert_close(back[..., :TRUE_VOCAB], logits[..., :TRUE_VOCAB], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(back_dist[..., :TRUE_VOCAB], logits[..., :TRUE_VOCAB], rtol=1e-5, atol=1e-5)
         assert (tmp_path / family / "back" / "latest_checkpointed_iteration.txt").read_text() == str(ITERATION)

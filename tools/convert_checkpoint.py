@@ -20,7 +20,8 @@ so train on from a converted checkpoint with ``--no-load-optim --no-load-rng``.
 ``megatron`` reads a Megatron-LM checkpoint (a --save directory, legacy ``torch`` or ``torch_dist``
 format, any TP / PP / virtual PP; its saved args give the model) and writes the legacy format
 for the target layout, which Megatron-LM loads with ``--transformer-impl local --ckpt-format torch
---no-load-optim --no-load-rng`` (tools/checkpoint/megatron*.py).
+--no-load-optim --no-load-rng``, or with ``--ckpt-format torch_dist`` that format
+(tools/checkpoint/megatron*.py).
 
 Memory: the model streams through one unit at a time (the embedding, one transformer
 layer, the head), read lazily from memory-mapped files and written straight to the target
@@ -52,7 +53,7 @@ from parallel3d.progress import make_bar  # noqa: E402
 from parallel3d.models.config import TransformerConfig  # noqa: E402
 from parallel3d.training.checkpointing import LATEST_FILE, _fsync_dir  # noqa: E402
 from parallel3d.tools.checkpoint.hf import HfLoader, HfSaver  # noqa: E402
-from parallel3d.tools.checkpoint.megatron import MegatronLegacySaver, MegatronLoader, known_args  # noqa: E402
+from parallel3d.tools.checkpoint.megatron import SAVERS, MegatronLoader, MegatronSaver, known_args  # noqa: E402
 from parallel3d.tools.checkpoint.parallel3d_format import Parallel3dLoader, Parallel3dSaver  # noqa: E402
 from parallel3d.tools.checkpoint.schema import ConversionError, check_unit, embedding_specs, head_specs, layer_specs  # noqa: E402
 
@@ -74,6 +75,8 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--target-virtual-pipeline-parallel-size", type=int, default=None)
     p.add_argument("--target-params-dtype", choices=sorted(DTYPES), default=None,
                    help="default: the source's dtype")
+    p.add_argument("--ckpt-format", choices=sorted(SAVERS), default=None,
+                   help="--saver megatron: Megatron-LM's checkpoint format to write (default torch, the legacy one)")
     p.add_argument("--true-vocab-size", type=int, default=None,
                    help="--loader megatron: the tokenizer's vocabulary, where the saved args record only the "
                         "padded one (the padding rows are dropped)")
@@ -131,7 +134,7 @@ def convert(loader: str, saver: str, load_dir: str, save_dir: str, *, target_ten
             target_pipeline_parallel_size: int = 1, target_virtual_pipeline_parallel_size: Optional[int] = None,
             target_params_dtype: Optional[str] = None, overwrite: bool = False,
             progress: Optional[Callable[[str], None]] = None, model_type: str = "GPT",
-            true_vocab_size: Optional[int] = None) -> str:
+            true_vocab_size: Optional[int] = None, ckpt_format: Optional[str] = None) -> str:
     """Convert ``load_dir`` into ``save_dir``; returns ``save_dir``. Raises ConversionError on bad input."""
     tp, pp, vp = target_tensor_parallel_size, target_pipeline_parallel_size, target_virtual_pipeline_parallel_size
     if loader not in FORMATS or saver not in FORMATS:
@@ -140,6 +143,8 @@ def convert(loader: str, saver: str, load_dir: str, save_dir: str, *, target_ten
         raise ConversionError(f"--model-type {model_type!r} is not supported: GPT is the model converted")
     if true_vocab_size is not None and (loader != "megatron" or true_vocab_size < 1):
         raise ConversionError(f"--true-vocab-size {true_vocab_size} applies to --loader megatron, as a size >= 1")
+    if ckpt_format is not None and (saver != "megatron" or ckpt_format not in SAVERS):
+        raise ConversionError(f"--ckpt-format {ckpt_format} applies to --saver megatron, as one of {sorted(SAVERS)}")
     if tp < 1 or pp < 1 or (vp is not None and vp < 1):
         raise ConversionError(f"target sizes must be >= 1, got TP={tp}, PP={pp}, virtual PP={vp}")
     if saver == "hf" and (tp, pp, vp) != (1, 1, None):
@@ -172,7 +177,7 @@ def convert(loader: str, saver: str, load_dir: str, save_dir: str, *, target_ten
         if saver == "hf":
             target = HfSaver(tmp, config, source.extra.get("hf_config"))
         elif saver == "megatron":
-            target = MegatronLegacySaver(tmp, config, source.iteration, known_args(source))
+            target = MegatronSaver(ckpt_format or "torch", tmp, config, source.iteration, known_args(source))
         else:
             target = Parallel3dSaver(tmp, config, source.iteration, source.extra)
         try:
@@ -238,7 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 target_pipeline_parallel_size=args.target_pipeline_parallel_size,
                 target_virtual_pipeline_parallel_size=args.target_virtual_pipeline_parallel_size,
                 target_params_dtype=args.target_params_dtype, overwrite=args.overwrite, progress=say,
-                model_type=args.model_type, true_vocab_size=args.true_vocab_size)
+                model_type=args.model_type, true_vocab_size=args.true_vocab_size, ckpt_format=args.ckpt_format)
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

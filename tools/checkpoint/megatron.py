@@ -1,7 +1,7 @@
 """Megatron-LM checkpoints (``--loader megatron`` / ``--saver megatron``): which format a directory holds.
 
 ``megatron_legacy`` reads and writes the legacy per-rank ``model_optim_rng.pt`` format,
-``megatron_dist`` reads ``torch_dist``; ``megatron_files`` has what both share (locations, the
+``megatron_dist`` reads and writes ``torch_dist``; ``megatron_files`` has what both share (locations, the
 safe unpickling, args <-> TransformerConfig).
 """
 from __future__ import annotations
@@ -11,11 +11,19 @@ from typing import Any, Optional, Union
 
 from parallel3d.training.checkpointing import CheckpointError, read_metadata
 
-from .megatron_dist import MegatronDistLoader
+from .megatron_dist import MegatronDistLoader, MegatronDistSaver
 from .megatron_files import DIST_METADATA, find_checkpoint
 from .megatron_legacy import MegatronLegacyLoader, MegatronLegacySaver
 
-__all__ = ["MegatronLoader", "MegatronLegacySaver", "known_args"]
+__all__ = ["MegatronLoader", "MegatronSaver", "known_args"]
+
+# --ckpt-format (Megatron's name) -> the saver writing it
+SAVERS = {"torch": MegatronLegacySaver, "torch_dist": MegatronDistSaver}
+
+
+def MegatronSaver(ckpt_format: str, out_dir: str, config: Any, iteration: int, known: dict[str, Any]) -> Any:
+    """The saver of Megatron's ``--ckpt-format`` (torch: legacy, torch_dist)."""
+    return SAVERS[ckpt_format](out_dir, config, iteration, known)
 
 
 def MegatronLoader(load_dir: str, vocab_size: Optional[int] = None

@@ -1,4 +1,4 @@
-"""Megatron-LM's ``torch_dist`` checkpoint format (Megatron-Core dist_checkpointing) as a converter source.
+"""Megatron-LM's ``torch_dist`` checkpoint format (Megatron-Core dist_checkpointing) as converter source and target.
 
 An iteration directory holds ``.metadata`` (torch.distributed.checkpoint's pickled index of every
 tensor's global shape and the chunks each rank wrote), the ``__{rank}_{n}.distcp`` data files,
@@ -12,6 +12,12 @@ The index is unpickled with an allow-list of torch.distributed.checkpoint's own 
 classes, and each chunk with torch.load(weights_only=True), so no process group is needed and no
 file can run code. A unit reads only the chunks that hold its layer. Optimizer state (the
 ``optimizer.*`` entries) and RNG state are not converted.
+
+The saver writes the same files from one process, as units arrive: one data file to which every
+layer's tensors are appended as a chunk of their stacked global tensor, the extra states
+Megatron-Core lists (``[None]``, as its local layers save), then the index, ``common.pt`` and
+``metadata.json``. The layout of the Megatron run that loads it is free (TP / PP / virtual PP),
+as for any torch_dist checkpoint, except the vocabulary padding, which is the target TP's.
 """
 from __future__ import annotations
 
@@ -24,10 +30,17 @@ from typing import Any, Optional
 
 import torch
 
-from .megatron_files import DIST_METADATA, FUSED_NORM_NAMES, config_from_args, fit_padded_vocab, safe_load
+from parallel3d.models.config import TransformerConfig
+
+from .megatron_files import (CHECKPOINT_VERSION, DIST_METADATA, FUSED_NORM_NAMES, LAYER_EXTRA_STATES,
+                             args_from_config, config_from_args, fit_padded_vocab, iteration_dir_name, safe_load,
+                             write_tracker)
 from .schema import ConversionError, embedding_specs, head_specs, layer_specs
 
 COMMON_FILE = "common.pt"
+DATA_FILE = "__0_0.distcp"
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+           "common_backend_version": 1}
 _META_CLASSES = {
     "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
                                               "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
@@ -211,3 +224,88 @@ class MegatronDistLoader:
         for f in self._files.values():
             f.close()
         self._files = {}
+
+
+class MegatronDistSaver:
+    """Writes a torch_dist Megatron-LM checkpoint of ``config`` under ``out_dir`` as units arrive."""
+
+    def __init__(self, out_dir: str, config: TransformerConfig, iteration: int, known_args: Optional[dict] = None):
+        from torch.distributed.checkpoint.metadata import Metadata  # noqa: F401 - fail early where it is missing
+
+        self.out_dir, self.config, self.iteration = out_dir, config, iteration
+        self.args = args_from_config(config, iteration, known_args)
+        self.args.ckpt_format, self.args.use_dist_ckpt = "torch_dist", True
+        self.ckpt_dir = os.path.join(out_dir, iteration_dir_name(iteration))
+        os.makedirs(self.ckpt_dir)
+        self._data = open(os.path.join(self.ckpt_dir, DATA_FILE), "wb")
+        self._tensors: dict[str, Any] = {}  # fqn -> TensorStorageMetadata
+        self._storage: dict[Any, Any] = {}  # MetadataIndex -> _StorageInfo
+        self._te_names = {canonical: fused for fused, canonical in FUSED_NORM_NAMES.items()}
+
+    def _append(self, payload: bytes) -> tuple[int, int]:
+        offset = self._data.tell()
+        self._data.write(payload)
+        return offset, len(payload)
+
+    def _chunk(self, fqn: str, tensor: torch.Tensor, offsets: tuple, size: tuple) -> None:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                           TensorStorageMetadata)
+
+        buf = io.BytesIO()
+        torch.save(tensor.to(self.config.params_dtype).contiguous().clone(), buf)
+        md = self._tensors.setdefault(fqn, TensorStorageMetadata(
+            properties=TensorProperties(dtype=self.config.params_dtype), size=torch.Size(size), chunks=[]))
+        md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(tensor.shape)))
+        self._storage[MetadataIndex(fqn, torch.Size(offsets))] = _StorageInfo(DATA_FILE, *self._append(buf.getvalue()))
+
+    def _object(self, fqn: str, obj: Any) -> None:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        self._tensors[fqn] = BytesStorageMetadata()
+        self._storage[MetadataIndex(fqn)] = _StorageInfo(DATA_FILE, *self._append(buf.getvalue()))
+
+    def _plain(self, tensors: dict[str, torch.Tensor], specs: dict) -> None:
+        for name, spec in specs.items():
+            t = tensors[name]
+            if spec.vocab:  # Megatron's padded rows (zero)
+                t = torch.cat([t, t.new_zeros(self.config.padded_vocab_size - t.shape[0], *t.shape[1:])])
+            self._chunk(name, t, (0,) * t.dim(), tuple(t.shape))
+
+    def embedding(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._plain(tensors, embedding_specs(self.config))
+
+    def layer(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        layers = self.config.num_layers
+        for name, spec in layer_specs(self.config).items():
+            fqn = "decoder.layers." + self._te_names.get(name, name)
+            self._chunk(fqn, tensors[name][None], (index,) + (0,) * len(spec.shape), (layers,) + spec.shape)
+        for module in LAYER_EXTRA_STATES:
+            self._object(f"decoder.layers.{module}._extra_state/shard_{index}_{layers}", [None])
+
+    def head(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._plain(tensors, head_specs(self.config))
+
+    def finish(self) -> None:
+        from torch.distributed.checkpoint.metadata import Metadata
+
+        self._data.flush()
+        os.fsync(self._data.fileno())
+        self._data.close()
+        files = {DIST_METADATA: lambda f: pickle.dump(Metadata(state_dict_metadata=self._tensors,
+                                                               storage_data=self._storage), f),
+                 COMMON_FILE: lambda f: torch.save({"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
+                                                    "iteration": self.iteration}, f),
+                 "metadata.json": lambda f: f.write(json.dumps(BACKEND).encode())}
+        for name, write in files.items():
+            with open(os.path.join(self.ckpt_dir, name), "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+        write_tracker(self.out_dir, self.iteration)
+
+    def abort(self) -> None:
+        self._data.close()

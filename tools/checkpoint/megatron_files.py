@@ -51,6 +51,14 @@ def iteration_dir_name(iteration: int) -> str:
     return "release" if iteration == 0 else f"iter_{iteration:07d}"
 
 
+def write_tracker(save_dir: str, iteration: int) -> None:
+    """``latest_checkpointed_iteration.txt``, as Megatron writes it ("release" for iteration 0), on disk."""
+    with open(os.path.join(save_dir, TRACKER_FILE), "w") as f:
+        f.write("release" if iteration == 0 else str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 

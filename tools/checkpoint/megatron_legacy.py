@@ -33,9 +33,9 @@ from parallel3d.models.config import TransformerConfig
 from parallel3d.pipeline.partition import partition_layers
 from parallel3d.tools.checkpoint.parallel3d_format import virtual_stage_owner
 
-from .megatron_files import (CHECKPOINT_VERSION, FUSED_NORM_NAMES, LAYER_EXTRA_STATES, MODEL_FILE, TRACKER_FILE,
+from .megatron_files import (CHECKPOINT_VERSION, FUSED_NORM_NAMES, LAYER_EXTRA_STATES, MODEL_FILE,
                              args_from_config, config_from_args, fit_padded_vocab, iteration_dir_name,
-                             legacy_rank_dirs, rank_dir_name, safe_load)
+                             legacy_rank_dirs, rank_dir_name, safe_load, write_tracker)
 from .schema import ConversionError, ParamSpec, embedding_specs, head_specs, layer_specs, merge, shard
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -261,10 +261,7 @@ class MegatronLegacySaver:
         left = {p: n for p, n in self._todo.items() if n}
         if left:
             raise ConversionError(f"internal: pipeline ranks {sorted(left)} never received all their tensors")
-        with open(os.path.join(self.out_dir, TRACKER_FILE), "w") as f:
-            f.write("release" if self.iteration == 0 else str(self.iteration))
-            f.flush()
-            os.fsync(f.fileno())
+        write_tracker(self.out_dir, self.iteration)
 
     def abort(self) -> None:
         self._models = {}
