@@ -8,6 +8,7 @@ the vocabulary padded with non-zero rows, Transformer Engine's fused norm names 
 ``_write_dist`` the torch_dist format (stacked layers). Round trips are bit-identical in fp32.
 """
 import argparse
+import dataclasses
 import enum
 import io
 import os
@@ -24,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from parallel3d.tools.checkpoint.megatron_files import config_from_args  # noqa: E402
+from parallel3d.tools.checkpoint.megatron_files import args_from_config, config_from_args  # noqa: E402
 from parallel3d.tools.checkpoint.parallel3d_format import Parallel3dLoader  # noqa: E402
 from parallel3d.tools.checkpoint.schema import ConversionError, embedding_specs, head_specs, layer_specs  # noqa: E402
 from parallel3d.tools.convert_checkpoint import convert, main as convert_main  # noqa: E402
@@ -377,6 +378,16 @@ def test_refusals_name_the_problem(tmp_path):
     torch.save(state, rank)
     assert "checkpoint_version 2.0" in _error("megatron", "parallel3d", moe, out)
     assert not os.path.exists(out)
+
+
+def test_an_mlp_megatron_has_no_flag_for_is_not_exported():
+    llama = config_from_args(_args("llama", 1, 1, None), "test")
+    for gated, activation in ((False, "silu"), (True, "gelu")):
+        config = dataclasses.replace(llama, gated_linear_unit=gated, activation=activation)
+        with pytest.raises(ConversionError, match=f"no flag for activation='{activation}' with gated_linear_unit="
+                                                  f"{gated}"):
+            args_from_config(config, 0)
+    assert args_from_config(llama, 0).swiglu
 
 
 def test_command_line(tmp_path, capsys):

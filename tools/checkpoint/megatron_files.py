@@ -180,7 +180,7 @@ def safe_load(path: str, what: str = "a Megatron-LM checkpoint file") -> Any:
 
 # Megatron arguments that, when set (truthy), describe a model parallel3d's GPT does not build.
 _REFUSED = ("num_experts", "multi_latent_attention", "qk_layernorm", "rotary_interleaved", "squared_relu",
-            "apply_layernorm_1p", "use_rope_scaling", "mtp_num_layers")
+            "apply_layernorm_1p", "use_rope_scaling", "mtp_num_layers", "quick_geglu")
 
 
 def config_from_args(args: Any, where: str, vocab_size: Optional[int] = None,
@@ -256,15 +256,19 @@ def args_from_config(config: TransformerConfig, iteration: int, known: Optional[
 
     ``known``: arguments the source recorded (its tokenizer), kept where they are not the model's."""
     c = config
+    if c.gated_linear_unit != (c.activation == "silu"):
+        raise ConversionError(f"Megatron-LM has no flag for activation={c.activation!r} with gated_linear_unit="
+                              f"{c.gated_linear_unit} (its MLPs: --swiglu, GeLU, --openai-gelu): not exported")
     groups = c.num_query_groups or c.num_attention_heads
     vp = c.virtual_pipeline_model_parallel_size
     out = dict(known or {})
     out.update(
         num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
         ffn_hidden_size=c.ffn_hidden_size, kv_channels=c.kv_channels,
-        group_query_attention=groups != c.num_attention_heads, num_query_groups=groups, seq_length=c.seq_length, max_position_embeddings=c.max_position_embeddings,
-        position_embedding_type=c.position_embedding_type, add_position_embedding=c.position_embedding_type ==
-        "learned_absolute", use_rotary_position_embeddings=c.position_embedding_type == "rope",
+        group_query_attention=groups != c.num_attention_heads, num_query_groups=groups, seq_length=c.seq_length,
+        max_position_embeddings=c.max_position_embeddings, position_embedding_type=c.position_embedding_type,
+        add_position_embedding=c.position_embedding_type == "learned_absolute",
+        use_rotary_position_embeddings=c.position_embedding_type == "rope",
         rotary_base=int(c.rotary_base) if float(c.rotary_base).is_integer() else c.rotary_base,
         rotary_percent=c.rotary_percent, rotary_interleaved=False, normalization=c.normalization,
         norm_epsilon=c.layernorm_epsilon, swiglu=c.gated_linear_unit and c.activation == "silu",
