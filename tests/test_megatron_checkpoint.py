@@ -377,6 +377,10 @@ def test_refusals_name_the_problem(tmp_path):
     state["args"].num_experts, state["checkpoint_version"] = None, 2.0
     torch.save(state, rank)
     assert "checkpoint_version 2.0" in _error("megatron", "parallel3d", moe, out)
+    state["checkpoint_version"] = 3.0
+    state["model"] = {"language_model.embedding.word_embeddings.weight": torch.zeros(112, 32)}
+    torch.save(state, rank)
+    assert "pre-Megatron-Core model (language_model.* keys" in _error("megatron", "parallel3d", moe, out)
     assert not os.path.exists(out)
 
 

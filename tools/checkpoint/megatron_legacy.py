@@ -130,12 +130,20 @@ class MegatronLegacyLoader:
     def _model_chunks(state: Any, path: str) -> list[dict[str, Any]]:
         if not isinstance(state, dict):
             raise ConversionError(f"{path} holds a {type(state).__name__}, not Megatron's checkpoint dict")
-        if "model" in state:
-            return [canonical_model_keys(state["model"])]
         chunks = sorted(int(m.group(1)) for m in map(_CHUNK.match, state) if m)
-        if not chunks or chunks != list(range(len(chunks))):
+        names = ["model"] if "model" in state else [f"model{c}" for c in chunks]
+        if not names or (names != ["model"] and chunks != list(range(len(chunks)))):
             raise ConversionError(f"{path} holds no 'model' (or model0, model1, ...) entry: {sorted(state)[:8]}")
-        return [canonical_model_keys(state[f"model{c}"]) for c in chunks]
+        out = []
+        for name in names:
+            model = state[name]
+            if not isinstance(model, dict):
+                raise ConversionError(f"{path}: '{name}' holds a {type(model).__name__}, not a state dict")
+            if any(k.startswith("language_model.") for k in model):
+                raise ConversionError(f"{path}: a pre-Megatron-Core model (language_model.* keys, "
+                                      "--use-legacy-models); convert it with Megatron's tools/checkpoint first")
+            out.append(canonical_model_keys(model))
+        return out
 
     def _layer_count(self, p: int, c: int) -> int:
         return len({int(m.group(1)) for m in map(_LAYER.match, self._chunks[0, p][c]) if m})
