@@ -18,9 +18,9 @@ iteration of a checkpoint (keeping its iteration number; an HF import is iterati
 writes one for the target TP / PP / virtual PP; optimizer and RNG state are not converted,
 so train on from a converted checkpoint with ``--no-load-optim --no-load-rng``.
 ``megatron`` reads a Megatron-LM checkpoint (a --save directory, legacy ``torch`` or ``torch_dist``
-format, any TP / PP / virtual PP; its saved args give the model) and writes the legacy format
-for the target layout, which Megatron-LM loads with ``--transformer-impl local --ckpt-format torch
---no-load-optim --no-load-rng``, or with ``--ckpt-format torch_dist`` that format
+format, any TP / PP / virtual PP; its saved args give the model) and writes Megatron's legacy
+format for the target layout (Megatron-LM loads it with ``--ckpt-format torch --transformer-impl
+local --no-load-optim --no-load-rng``), or ``torch_dist`` with ``--ckpt-format torch_dist``
 (tools/checkpoint/megatron*.py).
 
 Memory: the model streams through one unit at a time (the embedding, one transformer
