@@ -144,7 +144,8 @@ def _allowed_globals() -> list:
         from numpy.core.multiarray import _reconstruct
     allowed += [(_reconstruct, "numpy.core.multiarray._reconstruct"),
                 (_reconstruct, "numpy._core.multiarray._reconstruct")]
-    allowed += [getattr(numpy.dtypes, n) for n in dir(numpy.dtypes) if n.endswith("DType")]
+    dtypes = getattr(numpy, "dtypes", None)  # numpy >= 1.25: a dtype pickles by its class there
+    allowed += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")] if dtypes else []
     for path in _ENUMS:
         allowed.append((type(path.rsplit(".", 1)[1], (MegatronEnum,), {"__module__": __name__}), path))
     for path in _CONFIGS:
