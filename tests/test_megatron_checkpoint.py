@@ -399,11 +399,16 @@ def test_command_line(tmp_path, capsys):
     src = _write_megatron(str(tmp_path / "meg"), "llama", units, 1, 2)
     assert convert_main(["--model-type", "GPT", "--loader", "megatron", "--saver", "hf", "--load-dir", src,
                          "--save-dir", str(tmp_path / "hf"), "--quiet"]) == 0
-    assert convert_main(["--loader", "hf", "--saver", "megatron", "--load-dir", str(tmp_path / "hf"),
-                         "--save-dir", str(tmp_path / "back"), "--target-tensor-parallel-size", "2", "--quiet"]) == 0
+    assert convert_main(["--model-type", "GPT", "--loader", "hf", "--saver", "mcore",
+                         "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "back"), "--target-tensor-parallel-size", "2", "--quiet",
+                         "--saver-transformer-impl", "local", "--megatron-path", "/opt/Megatron-LM"]) == 0
     convert("megatron", "parallel3d", str(tmp_path / "back"), str(tmp_path / "p3d"))
     _assert_same_model(_units_of(Parallel3dLoader(str(tmp_path / "p3d")), 8), units)
     with pytest.raises(SystemExit):
         convert_main(["--model-type", "BERT", "--loader", "megatron", "--saver", "hf", "--load-dir", src,
                       "--save-dir", str(tmp_path / "x")])
     assert "invalid choice: 'BERT'" in capsys.readouterr().err
+    assert convert_main(["--model-type", "GPT", "--loader", "mcore", "--saver", "mcore", "--load-dir", src,
+                         "--save-dir", str(tmp_path / "te"), "--saver-transformer-impl", "transformer_engine"]) == 2
+    assert "--saver-transformer-impl transformer_engine is not supported" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "te")

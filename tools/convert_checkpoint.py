@@ -59,6 +59,8 @@ from parallel3d.tools.checkpoint.schema import ConversionError, check_unit, embe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ["hf", "parallel3d", "megatron"]
+# Megatron's convert.py names for Megatron-Core checkpoints, read and written by --loader/--saver megatron
+MEGATRON_ALIASES = {"mcore": "megatron", "core": "megatron"}
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -66,8 +68,10 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", choices=["GPT"], default="GPT",
                    help="Megatron's model type: GPT (LLaMA-style models included) is the one converted")
-    p.add_argument("--loader", required=True, choices=FORMATS, help="format of --load-dir")
-    p.add_argument("--saver", required=True, choices=FORMATS, help="format to write to --save-dir")
+    p.add_argument("--loader", required=True, choices=FORMATS + sorted(MEGATRON_ALIASES),
+                   help="format of --load-dir (mcore, core: megatron)")
+    p.add_argument("--saver", required=True, choices=FORMATS + sorted(MEGATRON_ALIASES),
+                   help="format to write to --save-dir (mcore, core: megatron)")
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True)
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
@@ -80,6 +84,12 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--true-vocab-size", type=int, default=None,
                    help="--loader megatron: the tokenizer's vocabulary, where the saved args record only the "
                         "padded one (the padding rows are dropped)")
+    p.add_argument("--megatron-path", default=None,
+                   help="accepted from Megatron's command lines; unused: no Megatron code is imported")
+    p.add_argument("--loader-transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="--loader megatron reads either layer naming, whichever the checkpoint has")
+    p.add_argument("--saver-transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="--saver megatron writes the local layers' names (transformer_engine: refused, untested)")
     p.add_argument("--overwrite", action="store_true", help="replace a --save-dir that already has content")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return p.parse_args(argv)
@@ -236,6 +246,12 @@ class UnitProgress:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = get_args(argv)
+    args.loader, args.saver = (MEGATRON_ALIASES.get(x, x) for x in (args.loader, args.saver))
+    if args.saver == "megatron" and args.saver_transformer_impl != "local":
+        print("error: --saver-transformer-impl transformer_engine is not supported (Transformer Engine's layer names "
+              "are untested here): write --saver-transformer-impl local and run Megatron-LM with --transformer-impl "
+              "local", file=sys.stderr, flush=True)
+        return 2
     say = (lambda _msg: None) if args.quiet else UnitProgress()
     try:
         convert(args.loader, args.saver, args.load_dir, args.save_dir,
