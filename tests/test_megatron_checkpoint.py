@@ -374,6 +374,10 @@ def test_refusals_name_the_problem(tmp_path):
     state["args"].num_experts = 8
     torch.save(state, rank)
     assert "--num-experts=8" in _error("megatron", "parallel3d", moe, out)
+    state["args"].num_experts, state["args"].softmax_type = None, "off-by-one"
+    torch.save(state, rank)
+    assert "--softmax-type='off-by-one'" in _error("megatron", "parallel3d", moe, out)
+    state["args"].softmax_type = "vanilla"
     state["args"].num_experts, state["checkpoint_version"] = None, 2.0
     torch.save(state, rank)
     assert "checkpoint_version 2.0" in _error("megatron", "parallel3d", moe, out)

@@ -181,7 +181,11 @@ def safe_load(path: str, what: str = "a Megatron-LM checkpoint file") -> Any:
 
 # Megatron arguments that, when set (truthy), describe a model parallel3d's GPT does not build.
 _REFUSED = ("num_experts", "multi_latent_attention", "qk_layernorm", "rotary_interleaved", "squared_relu",
-            "apply_layernorm_1p", "use_rope_scaling", "mtp_num_layers", "quick_geglu")
+            "apply_layernorm_1p", "use_rope_scaling", "rotary_seq_len_interpolation_factor", "mtp_num_layers",
+            "quick_geglu", "window_size", "qk_l2_norm", "attention_output_gate", "hybrid_override_pattern",
+            "heterogeneous_layers_config_path")
+# ... and those with a value other than the one parallel3d builds.
+_ONLY = {"softmax_type": "vanilla"}
 
 
 def config_from_args(args: Any, where: str, vocab_size: Optional[int] = None,
@@ -192,8 +196,8 @@ def config_from_args(args: Any, where: str, vocab_size: Optional[int] = None,
         raise ConversionError(f"{where} holds no Megatron args (an argparse.Namespace under 'args'): the model's "
                               "shape is unknown")
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    for name in _REFUSED:
-        if get(name):
+    for name in _REFUSED + tuple(_ONLY):
+        if get(name) and get(name) != _ONLY.get(name):
             raise ConversionError(f"{where}: the checkpoint was trained with --{name.replace('_', '-')}="
                                   f"{get(name)!r}, which parallel3d's GPT does not build")
     for name in ("num_layers", "hidden_size", "num_attention_heads"):
