@@ -160,6 +160,9 @@ def safe_load(path: str, what: str = "a Megatron-LM checkpoint file") -> Any:
     """torch.load(weights_only=True) with the allow-list above, memory-mapped where the file allows it."""
     if not os.path.isfile(path):
         raise ConversionError(f"{path} is missing")
+    if tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (2, 6):
+        raise ConversionError(f"reading {path} safely needs torch >= 2.6 (weights_only loading with an allow-list of "
+                              f"named globals); this is torch {torch.__version__}")
     with torch.serialization.safe_globals(_ALLOWED):
         try:
             try:
