@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import enum
 import io
+import json
 import os
 import pickle
 import signal
@@ -210,6 +211,11 @@ def test_round_trip_parallel3d_megatron_parallel3d_is_bit_identical(family, tmp_
         f = os.path.join("iter_0000020", f"mp_rank_00_{p:03d}", "model.safetensors")
         first, again = load_file(os.path.join(a, f)), load_file(os.path.join(c, f))
         assert sorted(first) == sorted(again) and all(torch.equal(first[k], again[k]) for k in first), f
+    meta = []
+    for x in (a, c):
+        with open(os.path.join(x, "iter_0000020", "metadata.json")) as fh:
+            meta.append(json.load(fh))
+    assert meta[0]["model_config"] == meta[1]["model_config"]  # the model survives Megatron's args
     convert("megatron", "megatron", b, d, target_tensor_parallel_size=2, target_pipeline_parallel_size=2,
             target_virtual_pipeline_parallel_size=2)
     convert("megatron", "parallel3d", d, e)
