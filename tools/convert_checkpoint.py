@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Convert checkpoints: Hugging Face GPT-2 / LLaMA <-> parallel3d, and parallel3d between layouts.
+"""Convert checkpoints: Hugging Face GPT-2 / LLaMA and Megatron-LM <-> parallel3d, and parallel3d between layouts.
 
     python tools/convert_checkpoint.py --loader hf --saver parallel3d --load-dir llama-hf \\
         --save-dir ckpt --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
     python tools/convert_checkpoint.py --loader parallel3d --saver parallel3d --load-dir ckpt \\
         --save-dir ckpt-tp4 --target-tensor-parallel-size 4 --target-pipeline-parallel-size 1
     python tools/convert_checkpoint.py --loader parallel3d --saver hf --load-dir ckpt --save-dir out-hf
+    python tools/convert_checkpoint.py --model-type GPT --loader megatron --saver parallel3d \\
+        --load-dir megatron-ckpt --save-dir ckpt --target-tensor-parallel-size 2
+    python tools/convert_checkpoint.py --model-type GPT --loader parallel3d --saver megatron \\
+        --load-dir ckpt --save-dir megatron-ckpt --target-pipeline-parallel-size 2
 
 (Megatron's tools/checkpoint/convert.py arguments.) ``hf`` reads a local directory
 (config.json + model.safetensors / pytorch_model.bin, sharded or not) of a GPT2LMHeadModel
@@ -13,6 +17,11 @@ or LlamaForCausalLM and writes one ``from_pretrained`` loads. ``parallel3d`` rea
 iteration of a checkpoint (keeping its iteration number; an HF import is iteration 0) and
 writes one for the target TP / PP / virtual PP; optimizer and RNG state are not converted,
 so train on from a converted checkpoint with ``--no-load-optim --no-load-rng``.
+``megatron`` reads a Megatron-LM checkpoint (a --save directory, legacy ``torch`` or ``torch_dist``
+format, any TP / PP / virtual PP; its saved args give the model) and writes Megatron's legacy
+format for the target layout (Megatron-LM loads it with ``--ckpt-format torch --transformer-impl
+local --no-load-optim --no-load-rng``), or ``torch_dist`` with ``--ckpt-format torch_dist``
+(tools/checkpoint/megatron*.py).
 
 Memory: the model streams through one unit at a time (the embedding, one transformer
 layer, the head), read lazily from memory-mapped files and written straight to the target
@@ -44,18 +53,26 @@ from parallel3d.progress import make_bar  # noqa: E402
 from parallel3d.models.config import TransformerConfig  # noqa: E402
 from parallel3d.training.checkpointing import _fsync_dir  # noqa: E402
 from parallel3d.tools.checkpoint.hf import HfLoader, HfSaver  # noqa: E402
+from parallel3d.tools.checkpoint.megatron import SAVERS, MegatronLoader, MegatronSaver, known_args  # noqa: E402
 from parallel3d.tools.checkpoint.parallel3d_format import Parallel3dLoader, Parallel3dSaver  # noqa: E402
 from parallel3d.tools.checkpoint.save_dir import check_save_dir  # noqa: E402
 from parallel3d.tools.checkpoint.schema import ConversionError, check_unit, embedding_specs, head_specs, layer_specs  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FORMATS = ["hf", "parallel3d", "megatron"]
+# Megatron's convert.py names for Megatron-Core checkpoints, read and written by --loader/--saver megatron
+MEGATRON_ALIASES = {"mcore": "megatron", "core": "megatron"}
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--loader", required=True, choices=["hf", "parallel3d"], help="format of --load-dir")
-    p.add_argument("--saver", required=True, choices=["hf", "parallel3d"], help="format to write to --save-dir")
+    p.add_argument("--model-type", choices=["GPT"], default="GPT",
+                   help="Megatron's model type: GPT (LLaMA-style models included) is the one converted")
+    p.add_argument("--loader", required=True, choices=FORMATS + sorted(MEGATRON_ALIASES),
+                   help="format of --load-dir (mcore, core: megatron)")
+    p.add_argument("--saver", required=True, choices=FORMATS + sorted(MEGATRON_ALIASES),
+                   help="format to write to --save-dir (mcore, core: megatron)")
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True)
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
@@ -63,6 +80,17 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--target-virtual-pipeline-parallel-size", type=int, default=None)
     p.add_argument("--target-params-dtype", choices=sorted(DTYPES), default=None,
                    help="default: the source's dtype")
+    p.add_argument("--ckpt-format", choices=sorted(SAVERS), default=None,
+                   help="--saver megatron: Megatron-LM's checkpoint format to write (default torch, the legacy one)")
+    p.add_argument("--true-vocab-size", type=int, default=None,
+                   help="--loader megatron: the tokenizer's vocabulary, where the saved args record only the "
+                        "padded one (the padding rows are dropped)")
+    p.add_argument("--megatron-path", default=None,
+                   help="accepted from Megatron's command lines; unused: no Megatron code is imported")
+    p.add_argument("--loader-transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="--loader megatron reads either layer naming, whichever the checkpoint has")
+    p.add_argument("--saver-transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="--saver megatron writes the local layers' names (transformer_engine: refused, untested)")
     p.add_argument("--overwrite", action="store_true", help="replace a --save-dir that already has content")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return p.parse_args(argv)
@@ -102,11 +130,18 @@ def _install(tmp: str, save_dir: str) -> None:
 def convert(loader: str, saver: str, load_dir: str, save_dir: str, *, target_tensor_parallel_size: int = 1,
             target_pipeline_parallel_size: int = 1, target_virtual_pipeline_parallel_size: Optional[int] = None,
             target_params_dtype: Optional[str] = None, overwrite: bool = False,
-            progress: Optional[Callable[[str], None]] = None) -> str:
+            progress: Optional[Callable[[str], None]] = None, model_type: str = "GPT",
+            true_vocab_size: Optional[int] = None, ckpt_format: Optional[str] = None) -> str:
     """Convert ``load_dir`` into ``save_dir``; returns ``save_dir``. Raises ConversionError on bad input."""
     tp, pp, vp = target_tensor_parallel_size, target_pipeline_parallel_size, target_virtual_pipeline_parallel_size
-    if loader not in ("hf", "parallel3d") or saver not in ("hf", "parallel3d"):
-        raise ConversionError(f"--loader/--saver must be hf or parallel3d, got {loader!r} / {saver!r}")
+    if loader not in FORMATS or saver not in FORMATS:
+        raise ConversionError(f"--loader/--saver must be one of {FORMATS}, got {loader!r} / {saver!r}")
+    if model_type != "GPT":
+        raise ConversionError(f"--model-type {model_type!r} is not supported: GPT is the model converted")
+    if true_vocab_size is not None and (loader != "megatron" or true_vocab_size < 1):
+        raise ConversionError(f"--true-vocab-size {true_vocab_size} applies to --loader megatron, as a size >= 1")
+    if ckpt_format is not None and (saver != "megatron" or ckpt_format not in SAVERS):
+        raise ConversionError(f"--ckpt-format {ckpt_format} applies to --saver megatron, as one of {sorted(SAVERS)}")
     if tp < 1 or pp < 1 or (vp is not None and vp < 1):
         raise ConversionError(f"target sizes must be >= 1, got TP={tp}, PP={pp}, virtual PP={vp}")
     if saver == "hf" and (tp, pp, vp) != (1, 1, None):
@@ -118,7 +153,10 @@ def convert(loader: str, saver: str, load_dir: str, save_dir: str, *, target_ten
         raise ConversionError(f"--target-params-dtype must be one of {sorted(DTYPES)}, got {target_params_dtype!r}")
     check_save_dir(load_dir, save_dir, overwrite)
 
-    source = HfLoader(load_dir) if loader == "hf" else Parallel3dLoader(load_dir)
+    if loader == "megatron":
+        source = MegatronLoader(load_dir, true_vocab_size)
+    else:
+        source = HfLoader(load_dir) if loader == "hf" else Parallel3dLoader(load_dir)
     tmp = None
     try:
         dtype = DTYPES[target_params_dtype] if target_params_dtype else source.dtype
@@ -131,6 +169,8 @@ def convert(loader: str, saver: str, load_dir: str, save_dir: str, *, target_ten
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become --save-dir's mode
         if saver == "hf":
             target = HfSaver(tmp, config, source.extra.get("hf_config"))
+        elif saver == "megatron":
+            target = MegatronSaver(ckpt_format or "torch", tmp, config, source.iteration, known_args(source))
         else:
             target = Parallel3dSaver(tmp, config, source.iteration, source.extra)
         try:
@@ -189,13 +229,20 @@ class UnitProgress:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = get_args(argv)
+    args.loader, args.saver = (MEGATRON_ALIASES.get(x, x) for x in (args.loader, args.saver))
+    if args.saver == "megatron" and args.saver_transformer_impl != "local":
+        print("error: --saver-transformer-impl transformer_engine is not supported (Transformer Engine's layer names "
+              "are untested here): write --saver-transformer-impl local and run Megatron-LM with --transformer-impl "
+              "local", file=sys.stderr, flush=True)
+        return 2
     say = (lambda _msg: None) if args.quiet else UnitProgress()
     try:
         convert(args.loader, args.saver, args.load_dir, args.save_dir,
                 target_tensor_parallel_size=args.target_tensor_parallel_size,
                 target_pipeline_parallel_size=args.target_pipeline_parallel_size,
                 target_virtual_pipeline_parallel_size=args.target_virtual_pipeline_parallel_size,
-                target_params_dtype=args.target_params_dtype, overwrite=args.overwrite, progress=say)
+                target_params_dtype=args.target_params_dtype, overwrite=args.overwrite, progress=say,
+                model_type=args.model_type, true_vocab_size=args.true_vocab_size, ckpt_format=args.ckpt_format)
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
