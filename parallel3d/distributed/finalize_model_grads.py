@@ -94,7 +94,8 @@ def _allreduce_word_embedding_grads(chunks: Sequence[DistributedDataParallel], s
 
 @torch.no_grad()
 def finalize_model_grads(model_chunks, num_tokens: Optional[torch.Tensor] = None,
-                         state: Optional[ps.ParallelState] = None) -> None:
+                         state: Optional[ps.ParallelState] = None, *, pg_collection=None,
+                         force_all_reduce: bool = False) -> None:
     """Finish the DP reduction and the TP/PP gradient fix-ups of every chunk (Megatron's contract).
 
     ``num_tokens``: this rank's count of loss tokens (summed over its microbatches;
@@ -102,7 +103,12 @@ def finalize_model_grads(model_chunks, num_tokens: Optional[torch.Tensor] = None
     last stage over PP, summed over DP, and every gradient is divided by it; the
     chunks must have been built with ``config.calculate_per_token_loss=True``.
     The caller's tensor is not modified. ``state`` defaults to the global parallel state.
+    Megatron's keywords ``pg_collection`` (None: the default groups) and ``force_all_reduce``
+    (False) are accepted at those values only.
     """
+    if pg_collection is not None or force_all_reduce:
+        raise ValueError("finalize_model_grads: pg_collection and force_all_reduce=True are not supported; pass "
+                         "state= (a parallel_state.ParallelState) for other groups")
     chunks = ddp_chunks(model_chunks, "finalize_model_grads")
     state = ps.resolve_parallel_state(state)
     if num_tokens is not None:
