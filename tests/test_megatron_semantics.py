@@ -112,3 +112,34 @@ def test_nested_fork_of_the_same_stream_continues_it():
         with tracker.fork():
             torch.rand(8)
     assert torch.equal(torch.get_rng_state(), default_before), "the default stream must be left as it was"
+
+
+def test_nested_fork_of_a_stream_open_further_out_continues_it():
+    """fork A, inside it fork B, inside that fork A again: Megatron draws A0, B0, A1, B1, A2."""
+    tracker = tp.get_cuda_rng_tracker()
+
+    def fresh():
+        tracker.reset()
+        tracker.add("A", 11)
+        tracker.add("B", 22)
+
+    fresh()
+    with tracker.fork("A"):
+        a = [torch.rand(4) for _ in range(4)]
+    with tracker.fork("B"):
+        b = [torch.rand(4) for _ in range(2)]
+    fresh()
+    default_before = torch.get_rng_state()
+    with tracker.fork("A"):
+        a0 = torch.rand(4)
+        with tracker.fork("B"):
+            b0 = torch.rand(4)
+            with tracker.fork("A"):
+                a1 = torch.rand(4)
+            b1 = torch.rand(4)
+        a2 = torch.rand(4)
+    for got, want, name in ((a0, a[0], "A0"), (b0, b[0], "B0"), (a1, a[1], "A1"), (b1, b[1], "B1"), (a2, a[2], "A2")):
+        assert torch.equal(got, want), name
+    assert torch.equal(torch.get_rng_state(), default_before), "the default stream must be left as it was"
+    with tracker.fork("A"):  # and the stream goes on from where the nest left it
+        assert torch.equal(torch.rand(4), a[3])
