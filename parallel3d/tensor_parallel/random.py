@@ -173,6 +173,14 @@ class CheckpointFunction(torch.autograd.Function):
         return (None,) + tuple(a.grad if torch.is_tensor(a) else None for a in args)
 
 
-def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
-    """Activation recomputation that reproduces dropout masks (Megatron's ``tensor_parallel.checkpoint``)."""
+def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
+    """Activation recomputation that reproduces dropout masks (Megatron's ``tensor_parallel.checkpoint``,
+    in its argument order). ``distribute_saved_activations=True`` (saving the input split over TP
+    ranks) is not supported: pass False."""
+    if not isinstance(distribute_saved_activations, bool):
+        raise TypeError("checkpoint(function, distribute_saved_activations, *args) takes Megatron's argument order: "
+                        f"got a {type(distribute_saved_activations).__name__} for distribute_saved_activations")
+    if distribute_saved_activations:
+        raise ValueError("checkpoint: distribute_saved_activations=True is not supported; pass False "
+                         "(config.distribute_saved_activations=False)")
     return CheckpointFunction.apply(function, *args)
