@@ -175,14 +175,14 @@ def _training_cases(layout, tp_size, sp, dp_group, dp, dp_rank):
     adam = dict(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.5)
     cases = [
         # (name, ddp kwargs, optimizer kwargs, microbatches, per_token)
-        ("fp32 adam overlap", dict(bucket_size=300), adam, 2, False),
-        ("fp32 adam zero1", dict(bucket_size=300, use_distributed_optimizer=True),
+        ("fp32 adam overlap", dict(bucket_size=300, overlap_grad_reduce=True), adam, 2, False),
+        ("fp32 adam zero1", dict(bucket_size=300, overlap_grad_reduce=True, use_distributed_optimizer=True),
          dict(adam, use_distributed_optimizer=True), 2, False),
         ("fp32 sgd no-overlap avg-in-collective", dict(overlap_grad_reduce=False, average_in_collective=True),
          dict(optimizer="sgd", lr=0.05, sgd_momentum=0.9, weight_decay=0.01, clip_grad=0.0), 1, False),
     ]
     if not sp:  # per-token loss counts tokens after the sequence is whole (Megatron's contract)
-        cases.append(("fp32 adam per-token", dict(bucket_size=500), adam, 2, True))
+        cases.append(("fp32 adam per-token", dict(bucket_size=500, overlap_grad_reduce=True), adam, 2, True))
     for name, ddp_kw, opt_kw, m_micro, per_token in cases:
         what = f"[{layout}] {name}"
         cfg = OptimizerConfig(**opt_kw)
@@ -490,3 +490,20 @@ def test_check_for_nan_in_grad_names_the_parameter():
     ddp2.zero_grad_buffer()
     ((ddp2(x) - t) ** 2).mean().backward()
     ddp2.finish_grad_sync()
+
+
+def test_ddp_config_defaults_are_megatrons():
+    import dataclasses
+
+    ours = {f.name: f.default for f in dataclasses.fields(DistributedDataParallelConfig)}
+    assert ours["overlap_grad_reduce"] is False and ours["bucket_size"] is None
+    try:
+        from megatron.core.distributed import DistributedDataParallelConfig as MegatronConfig
+    except ImportError:  # megatron-core not installed: the values above are its 0.16 defaults
+        MegatronConfig = None
+    if MegatronConfig is not None:
+        theirs = {f.name: f.default for f in dataclasses.fields(MegatronConfig)}
+        assert {k: v for k, v in ours.items() if k in theirs} == {k: theirs[k] for k in ours if k in theirs}
+    # bucket_size=None means Megatron's max(40M, 1M x DP) with overlap (one bucket for this small model)
+    ddp = DistributedDataParallel(Net(DenseBlock, 2), DistributedDataParallelConfig(overlap_grad_reduce=True))
+    assert len(ddp.buckets) == 1
