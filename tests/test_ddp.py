@@ -491,19 +491,3 @@ def test_check_for_nan_in_grad_names_the_parameter():
     ((ddp2(x) - t) ** 2).mean().backward()
     ddp2.finish_grad_sync()
 
-
-def test_ddp_config_defaults_are_megatrons():
-    import dataclasses
-
-    ours = {f.name: f.default for f in dataclasses.fields(DistributedDataParallelConfig)}
-    assert ours["overlap_grad_reduce"] is False and ours["bucket_size"] is None
-    try:
-        from megatron.core.distributed import DistributedDataParallelConfig as MegatronConfig
-    except ImportError:  # megatron-core not installed: the values above are its 0.16 defaults
-        MegatronConfig = None
-    if MegatronConfig is not None:
-        theirs = {f.name: f.default for f in dataclasses.fields(MegatronConfig)}
-        assert {k: v for k, v in ours.items() if k in theirs} == {k: theirs[k] for k in ours if k in theirs}
-    # bucket_size=None means Megatron's max(40M, 1M x DP) with overlap (one bucket for this small model)
-    ddp = DistributedDataParallel(Net(DenseBlock, 2), DistributedDataParallelConfig(overlap_grad_reduce=True))
-    assert len(ddp.buckets) == 1

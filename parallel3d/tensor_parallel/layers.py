@@ -89,8 +89,8 @@ def _device(device: Optional[torch.device], config: Any) -> torch.device:
 
 # Megatron's layer keywords with nothing to do here, accepted at these values only (any
 # tp_comm_buffer_name: Megatron does not use it either).
-_MEGATRON_LAYER_KEYWORDS = {"is_expert": False, "keep_master_weight_for_test": False, "embedding_activation_buffer": None,
-                            "grad_output_buffer": None, "tp_comm_buffer_name": ...}
+_MEGATRON_LAYER_KEYWORDS = {"is_expert": False, "keep_master_weight_for_test": False,
+                            "embedding_activation_buffer": None, "grad_output_buffer": None, "tp_comm_buffer_name": ...}
 
 
 def _check_megatron_keywords(layer: str, given: dict[str, Any], config: Any) -> None:

@@ -1,5 +1,6 @@
-"""The tensor-parallel layers take Megatron-Core's ``config=`` (and its other keywords), as
-Megatron's do; the keywords of parallel3d's own signature still work and win over the config."""
+"""Megatron-Core's API where parallel3d's differed: the tensor-parallel layers take ``config=`` (and
+Megatron's other constructor keywords) as Megatron's do, while parallel3d's own keywords still work
+and win over the config; the DDP config has Megatron-Core's defaults."""
 from types import SimpleNamespace
 
 import pytest
@@ -46,7 +47,8 @@ def test_megatrons_full_column_signature_and_refusals():
                          tp_comm_buffer_name="fc2", tp_group=None)
     for kwargs, match in ((dict(is_expert=True), "is_expert=True is not supported"),
                           (dict(keep_master_weight_for_test=True), "keep_master_weight_for_test=True is not supported"),
-                          (dict(config=_megatron_config(expert_model_parallel_size=2)), "expert_model_parallel_size=2")):
+                          (dict(config=_megatron_config(expert_model_parallel_size=2)),
+                           "expert_model_parallel_size=2")):
         with pytest.raises(ValueError, match=match):
             tp.ColumnParallelLinear(8, 6, init_method=INIT, **kwargs)
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_keyword'"):
@@ -65,3 +67,25 @@ def test_embedding_takes_megatrons_config_and_its_padded_vocabulary():
     torch.testing.assert_close(a.weight, b.weight[:40], rtol=0, atol=0)
     with pytest.raises(ValueError, match="deterministic_mode=True is not supported"):
         tp.VocabParallelEmbedding(40, 8, config=_megatron_config(deterministic_mode=True))
+
+
+def test_ddp_config_defaults_are_megatrons():
+    import dataclasses
+
+    from parallel3d.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ours = {f.name: f.default for f in dataclasses.fields(DistributedDataParallelConfig)}
+    assert ours["overlap_grad_reduce"] is False and ours["bucket_size"] is None
+    try:
+        from megatron.core.distributed import DistributedDataParallelConfig as MegatronConfig
+    except ImportError:  # megatron-core not installed: the values above are its 0.16 defaults
+        MegatronConfig = None
+    if MegatronConfig is not None:
+        theirs = {f.name: f.default for f in dataclasses.fields(MegatronConfig)}
+        assert {k: v for k, v in ours.items() if k in theirs} == {k: theirs[k] for k in ours if k in theirs}
+    # bucket_size=None means Megatron's max(40M, 1M x DP) with overlap: one bucket for a small model
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True))
+    assert len(ddp.buckets) == 1
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=100))
+    assert len(ddp.buckets) == 2
