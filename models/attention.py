@@ -160,7 +160,7 @@ class SelfAttention(nn.Module):
             k, v, attention_mask = self._update_kv_cache(k, v, attention_mask, inference_params)
         if cfg.recompute_granularity == "selective" and self.training:
             # Keep only q, k, v: the s x s scores and probabilities are recomputed in backward.
-            ctx = tensor_parallel.checkpoint(self.core_attention, q, k, v, attention_mask)
+            ctx = tensor_parallel.checkpoint(self.core_attention, False, q, k, v, attention_mask)
         else:
             ctx = self.core_attention(q, k, v, attention_mask)
         return self.linear_proj(ctx)

@@ -91,11 +91,11 @@ class TransformerBlock(nn.Module):
             if cfg.recompute_method == "uniform":  # every group of k layers keeps only its input
                 for start in range(0, n, k):
                     hidden_states = tensor_parallel.checkpoint(
-                        self._run(start, min(start + k, n)), hidden_states, attention_mask, rotary_pos_emb)
+                        self._run(start, min(start + k, n)), False, hidden_states, attention_mask, rotary_pos_emb)
             else:  # "block": the first k layers of the chunk are recomputed, the rest keep activations
                 for i in range(min(k, n)):
                     hidden_states = tensor_parallel.checkpoint(
-                        self._run(i, i + 1), hidden_states, attention_mask, rotary_pos_emb)
+                        self._run(i, i + 1), False, hidden_states, attention_mask, rotary_pos_emb)
                 hidden_states = self._run(min(k, n), n)(hidden_states, attention_mask, rotary_pos_emb)
         else:
             hidden_states = self._run(0, n)(hidden_states, attention_mask, rotary_pos_emb, inference_params)

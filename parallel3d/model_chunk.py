@@ -14,9 +14,9 @@ implementation, ``examples/custom_model_tp.py`` another. Every member has a defa
   ``shared_embedding_or_output_weight()``: a weight the first and the last stage both hold
   (the tied word embedding): its gradients are summed over the embedding group, it is counted
   once in the gradient norm, and ZeRO-1 keeps it in its own bucket;
-- ``config`` (optional): Megatron's model config, read for ``hidden_size``, ``sequence_parallel``,
-  ``tensor_model_parallel_size`` and ``params_dtype`` (the shape and dtype stages send) and
-  ``calculate_per_token_loss``.
+- ``config`` (optional): Megatron's model config, read for what Megatron's schedules read from it
+  (``hidden_size``, ``sequence_parallel``, ``pipeline_dtype`` or ``params_dtype``,
+  ``calculate_per_token_loss``, ``finalize_model_grads_func``, ...: docs/custom-models.md lists them).
 
 The ``model_config`` handed to checkpointing may define ``checkpoint_mismatches(saved: dict)
 -> list[str]`` (see :class:`CheckpointableConfig`): a checkpoint of another model is refused with them.

@@ -1,8 +1,10 @@
 """Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
 
-The rank layout is a mixed-radix number: with the default order "tp-dp-pp",
-``rank = tp + TP * (dp + DP * pp)``, so TP ranks are adjacent (one node, NVLink)
-and pipeline stages are the slowest-varying coordinate (they span nodes).
+The rank layout is a :class:`Grid` over the named dimensions of ``DIMENSIONS``, a
+mixed-radix number: with the default order "tp-dp-pp", ``rank = tp + TP * (dp + DP * pp)``,
+so TP ranks are adjacent (one node, NVLink) and pipeline stages are the slowest-varying
+coordinate (they span nodes). Each group of ``GROUPS`` is the set of ranks that differ only
+in its dimensions (as Megatron's RankGenerator builds them).
 ``build_group_ranks`` computes every group as a pure function, so the tables
 can be checked for any world size without starting a process;
 ``initialize_model_parallel`` creates the torch.distributed groups from it.
@@ -24,20 +26,67 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
-_ORDERS = ("tp-dp-pp", "tp-pp-dp")
+# The layout's dimensions (Megatron's names). A new one (cp, ep) is one entry here, its size in
+# initialize_model_parallel, its groups in GROUPS and its getters at the end of this file.
+DIMENSIONS = ("tp", "dp", "pp")
+# Megatron's other dimensions: an order string may name them, at size 1 (see parse_order).
+_SIZE_ONE_DIMENSIONS = ("cp", "ep")
+# The groups every rank joins, by the dimensions that vary inside each (TP x PP: one model replica).
+GROUPS = {"tp": ("tp",), "pp": ("pp",), "dp": ("dp",), "mp": ("tp", "pp")}
 
 
-def _coords(rank: int, sizes: dict[str, int], order: str) -> dict[str, int]:
-    """Coordinates of ``rank`` when the dims of ``order`` vary fastest to slowest."""
-    coords = {}
-    for dim in order.split("-"):
-        coords[dim] = rank % sizes[dim]
-        rank //= sizes[dim]
-    return coords
+def parse_order(order: str) -> tuple[str, ...]:
+    """Megatron's ``order`` string as the dimensions from fastest- to slowest-varying.
+
+    As Megatron's RankGenerator: case-insensitive, names joined by '-', a dimension left out is
+    appended (Megatron then needs its size to be 1: :class:`Grid` checks). ``cp`` and ``ep`` may
+    appear (they have size 1 here, so where they stand changes nothing) and are dropped.
+    """
+    names = order.lower().split("-")
+    if len(set(names)) != len(names) or not set(names) <= set(DIMENSIONS + _SIZE_ONE_DIMENSIONS):
+        raise ValueError(f"order must name each of {'-'.join(DIMENSIONS)} (and optionally cp, ep) at most once, "
+                         f"joined by '-', e.g. 'tp-dp-pp' or 'tp-pp-dp'; got {order!r}")
+    given = tuple(n for n in names if n in DIMENSIONS)
+    return given + tuple(d for d in DIMENSIONS if d not in given)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Global ranks as mixed-radix numbers over named dimensions, the first one varying fastest:
+    with dims ("tp", "dp", "pp"), ``rank = tp + TP * (dp + DP * pp)``."""
+
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @staticmethod
+    def of(order: str, sizes: dict[str, int]) -> "Grid":
+        dims = parse_order(order)
+        missing = [d for d in dims if d not in order.lower().split("-") and sizes[d] != 1]
+        if missing:
+            raise ValueError(f"order {order!r} leaves out {missing[0]}, whose size is {sizes[missing[0]]}: name it")
+        return Grid(dims, tuple(sizes[d] for d in dims))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        coords = {}
+        for dim, size in zip(self.dims, self.sizes):
+            coords[dim], rank = rank % size, rank // size
+        return coords
+
+    def groups(self, varying: tuple[str, ...]) -> list[list[int]]:
+        """Every group of ranks that differ only in the ``varying`` dimensions: each group's ranks
+        ascending, the groups ordered by their first rank (as Megatron's RankGenerator.get_ranks)."""
+        world = 1
+        for size in self.sizes:
+            world *= size
+        by_key: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(world):
+            c = self.coords(rank)
+            by_key.setdefault(tuple(c[d] for d in self.dims if d not in varying), []).append(rank)
+        return sorted(by_key.values())
 
 
 # The layout's own names; validate_args passes its flags' names instead, so one rule (and one message)
@@ -79,51 +128,35 @@ def build_group_ranks(
     Each group's ranks are ordered by the coordinate that varies inside it.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if order not in _ORDERS:
-        raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
-    dp = data_parallel_size(world_size, tp, pp)
-    sizes = {"tp": tp, "dp": dp, "pp": pp}
-    coords = [_coords(r, sizes, order) for r in range(world_size)]
-
-    def groups_varying(dims: tuple[str, ...]) -> list[list[int]]:
-        fixed = [d for d in sizes if d not in dims]
-        by_key: dict[tuple[int, ...], list[int]] = {}
-        for r, c in enumerate(coords):  # ranks ascend, and so does each group's inner coordinate
-            by_key.setdefault(tuple(c[d] for d in fixed), []).append(r)
-        return sorted(by_key.values())
-
-    pp_groups = groups_varying(("pp",))
-    pp_groups = [sorted(g, key=lambda r: coords[r]["pp"]) for g in pp_groups]
-    embedding = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups]
-    return {
-        "tp": groups_varying(("tp",)),
-        "pp": pp_groups,
-        "dp": groups_varying(("dp",)),
-        "mp": groups_varying(("tp", "pp")),
-        "embedding": embedding,
-    }
+    parse_order(order)  # a bad order string is named before the sizes are checked
+    grid = Grid.of(order, {"tp": tp, "dp": data_parallel_size(world_size, tp, pp), "pp": pp})
+    tables = {kind: grid.groups(dims) for kind, dims in GROUPS.items()}
+    tables["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in tables["pp"]]
+    return tables
 
 
 @dataclass
 class ParallelState:
     """The groups this rank belongs to, plus its coordinates in the layout."""
 
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    data_parallel_size: int
+    sizes: dict[str, int]  # each dimension's size (DIMENSIONS)
     virtual_pipeline_model_parallel_size: Optional[int]
-    order: str
+    order: str  # the dimensions fastest- to slowest-varying, e.g. "tp-dp-pp"
     rank: int
-    group_ranks: dict[str, list[int]]  # this rank's group of each kind
+    group_ranks: dict[str, list[int]]  # this rank's group of each kind (GROUPS, and "embedding")
     groups: dict[str, Optional[dist.ProcessGroup]] = field(repr=False)
 
     @staticmethod
     def one_process() -> "ParallelState":
         """The layout of a single process without torch.distributed: every size 1, no groups."""
-        kinds = ("tp", "pp", "dp", "mp", "embedding")
-        return ParallelState(1, 1, 1, None, "tp-dp-pp", 0, {k: [0] for k in kinds}, {k: None for k in kinds})
+        kinds = (*GROUPS, "embedding")
+        return ParallelState({d: 1 for d in DIMENSIONS}, None, "-".join(DIMENSIONS), 0,
+                             {k: [0] for k in kinds}, {k: None for k in kinds})
 
     # Names follow Megatron so that porting scripts is mechanical.
+    tensor_model_parallel_size = property(lambda self: self.sizes["tp"])
+    pipeline_model_parallel_size = property(lambda self: self.sizes["pp"])
+    data_parallel_size = property(lambda self: self.sizes["dp"])
     tensor_model_parallel_group = property(lambda self: self.groups["tp"])
     pipeline_model_parallel_group = property(lambda self: self.groups["pp"])
     data_parallel_group = property(lambda self: self.groups["dp"])
@@ -145,35 +178,81 @@ class ParallelState:
             raise ValueError("with virtual pipeline stages, pass vp_stage (the local chunk) or ignore_virtual=True")
         return vp_stage == which % self.virtual_pipeline_model_parallel_size
 
-    def is_pipeline_first_stage(self, ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
+    # Megatron-Core's defaults: ignore_virtual=True asks about the pipeline rank only.
+    def is_pipeline_first_stage(self, ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
         return self._in_virtual_stage(0, ignore_virtual, vp_stage) and self.pipeline_model_parallel_rank == 0
 
-    def is_pipeline_last_stage(self, ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
+    def is_pipeline_last_stage(self, ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
         last = self.pipeline_model_parallel_rank == self.pipeline_model_parallel_size - 1
         return self._in_virtual_stage(-1, ignore_virtual, vp_stage) and last
 
-    def is_rank_in_embedding_group(self) -> bool:
-        return self.rank in self.group_ranks["embedding"]
+    def is_rank_in_embedding_group(self, ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
+        """In the group of the tied embedding; with ``ignore_virtual=False``, only for the chunk
+        ``vp_stage`` that holds the embedding (first stage) or the output layer (last stage)."""
+        if self.rank not in self.group_ranks["embedding"]:
+            return False
+        if ignore_virtual:
+            return True
+        if self.rank == self.group_ranks["embedding"][0]:
+            return self.is_pipeline_first_stage(False, vp_stage)
+        return self.is_pipeline_last_stage(False, vp_stage)
 
 
 _STATE: Optional[ParallelState] = None
+
+
+# Megatron's other initialize_model_parallel keywords, each at the value that means "tensor, pipeline
+# and data parallelism only"; any other value is refused by name. expert_tensor_parallel_size may
+# also equal the TP size; create_gloo_process_groups is accepted either way (no gloo group is made,
+# and no getter here returns one).
+_MEGATRON_KEYWORDS = {
+    "pipeline_model_parallel_comm_backend": None, "use_sharp": False, "context_parallel_size": 1,
+    "hierarchical_context_parallel_sizes": None, "hybrid_context_parallel": False, "expert_model_parallel_size": 1,
+    "num_distributed_optimizer_instances": 1, "expert_tensor_parallel_size": None,
+    "nccl_communicator_config_path": None, "get_embedding_ranks": None, "get_position_embedding_ranks": None,
+    "create_gloo_process_groups": True, "high_priority_stream_groups": None, "sharp_enabled_group": None,
+    "create_all_gather_group": False,
+}
+
+
+def _check_megatron_keywords(options: dict[str, Any], tp: int) -> None:
+    for name, value in options.items():
+        if name not in _MEGATRON_KEYWORDS:
+            raise TypeError(f"initialize_model_parallel() got an unexpected keyword argument {name!r}")
+        default = _MEGATRON_KEYWORDS[name]
+        if (name == "create_gloo_process_groups" or (value is None if default is None else value == default)
+                or (name == "expert_tensor_parallel_size" and value == tp)
+                or (name == "high_priority_stream_groups" and not value)):
+            continue
+        raise ValueError(f"initialize_model_parallel: {name}={value!r} is not supported (parallel3d has tensor, "
+                         f"pipeline and data parallelism); leave it at {default!r}")
 
 
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
-    order: str = "tp-dp-pp",
     *,
+    order: str = "tp-dp-pp",
+    distributed_timeout_minutes: Optional[float] = None,
     timeout: Optional[datetime.timedelta] = None,
+    **megatron_keywords: Any,
 ) -> ParallelState:
     """Create the TP/PP/DP/model-parallel/embedding groups and make them the default.
 
     Every rank must call this with the same arguments (torch.distributed.new_group
-    is collective over the whole world). ``timeout`` bounds every operation of the
-    new groups (Megatron's ``--distributed-timeout-minutes``); None: torch's default.
+    is collective over the whole world). ``timeout`` (or Megatron's ``distributed_timeout_minutes``)
+    bounds every operation of the new groups; None: torch's default (Megatron's default is 30
+    minutes). ``order``: Megatron's order string (:func:`parse_order`). Megatron's other keywords
+    are accepted where they mean this layout (``context_parallel_size=1``, ...) and refused by name
+    otherwise.
     """
     global _STATE
+    _check_megatron_keywords(megatron_keywords, tensor_model_parallel_size)
+    if distributed_timeout_minutes is not None:
+        if timeout is not None:
+            raise ValueError("initialize_model_parallel: pass timeout or distributed_timeout_minutes, not both")
+        timeout = datetime.timedelta(minutes=distributed_timeout_minutes)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialised: call torch.distributed.init_process_group() "
@@ -189,7 +268,8 @@ def initialize_model_parallel(
     # build_group_ranks checks the sizes and the order; the virtual size only matters for the stage queries.
     tables = build_group_ranks(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, order)
     check_virtual_pipeline_size(pipeline_model_parallel_size, virtual_pipeline_model_parallel_size)
-    dp = world_size // (tensor_model_parallel_size * pipeline_model_parallel_size)
+    sizes = {"tp": tensor_model_parallel_size, "pp": pipeline_model_parallel_size,
+             "dp": world_size // (tensor_model_parallel_size * pipeline_model_parallel_size)}
     groups: dict[str, dist.ProcessGroup] = {}
     mine: dict[str, list[int]] = {}
     for kind, table in tables.items():
@@ -199,16 +279,8 @@ def initialize_model_parallel(
             if rank in ranks:
                 groups[kind], mine[kind] = group, ranks
     mine.setdefault("embedding", [])
-    _STATE = ParallelState(
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        data_parallel_size=dp,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-        order=order,
-        rank=rank,
-        group_ranks=mine,
-        groups=groups,
-    )
+    _STATE = ParallelState({d: sizes[d] for d in DIMENSIONS}, virtual_pipeline_model_parallel_size,
+                           "-".join(parse_order(order)), rank, mine, groups)
     return _STATE
 
 
@@ -260,7 +332,6 @@ def _getter(attribute: str, name: str):
 
 get_tensor_model_parallel_group = _getter("tensor_model_parallel_group", "get_tensor_model_parallel_group")
 get_pipeline_model_parallel_group = _getter("pipeline_model_parallel_group", "get_pipeline_model_parallel_group")
-get_data_parallel_group = _getter("data_parallel_group", "get_data_parallel_group")
 get_model_parallel_group = _getter("model_parallel_group", "get_model_parallel_group")
 get_embedding_group = _getter("embedding_group", "get_embedding_group")
 get_tensor_model_parallel_rank = _getter("tensor_model_parallel_rank", "get_tensor_model_parallel_rank")
@@ -268,19 +339,31 @@ get_tensor_model_parallel_world_size = _getter("tensor_model_parallel_size", "ge
 get_pipeline_model_parallel_rank = _getter("pipeline_model_parallel_rank", "get_pipeline_model_parallel_rank")
 get_pipeline_model_parallel_world_size = _getter("pipeline_model_parallel_size",
                                                  "get_pipeline_model_parallel_world_size")
-get_data_parallel_rank = _getter("data_parallel_rank", "get_data_parallel_rank")
-get_data_parallel_world_size = _getter("data_parallel_size", "get_data_parallel_world_size")
 get_virtual_pipeline_model_parallel_world_size = _getter("virtual_pipeline_model_parallel_size",
                                                          "get_virtual_pipeline_model_parallel_world_size")
 
 
-def is_pipeline_first_stage(ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
+# Megatron's data-parallel getters take with_context_parallel and partial_data_parallel: without
+# context parallelism and with one distributed-optimizer instance, every variant is the DP group.
+def get_data_parallel_group(with_context_parallel: bool = False, partial_data_parallel: bool = False):
+    return get_parallel_state().data_parallel_group
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+    return get_parallel_state().data_parallel_rank
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+    return get_parallel_state().data_parallel_size
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
     return get_parallel_state().is_pipeline_first_stage(ignore_virtual, vp_stage)
 
 
-def is_pipeline_last_stage(ignore_virtual: bool = False, vp_stage: Optional[int] = None) -> bool:
+def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
     return get_parallel_state().is_pipeline_last_stage(ignore_virtual, vp_stage)
 
 
-def is_rank_in_embedding_group() -> bool:
-    return get_parallel_state().is_rank_in_embedding_group()
+def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
+    return get_parallel_state().is_rank_in_embedding_group(ignore_virtual, vp_stage)

@@ -175,14 +175,14 @@ def _training_cases(layout, tp_size, sp, dp_group, dp, dp_rank):
     adam = dict(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.5)
     cases = [
         # (name, ddp kwargs, optimizer kwargs, microbatches, per_token)
-        ("fp32 adam overlap", dict(bucket_size=300), adam, 2, False),
-        ("fp32 adam zero1", dict(bucket_size=300, use_distributed_optimizer=True),
+        ("fp32 adam overlap", dict(bucket_size=300, overlap_grad_reduce=True), adam, 2, False),
+        ("fp32 adam zero1", dict(bucket_size=300, overlap_grad_reduce=True, use_distributed_optimizer=True),
          dict(adam, use_distributed_optimizer=True), 2, False),
         ("fp32 sgd no-overlap avg-in-collective", dict(overlap_grad_reduce=False, average_in_collective=True),
          dict(optimizer="sgd", lr=0.05, sgd_momentum=0.9, weight_decay=0.01, clip_grad=0.0), 1, False),
     ]
     if not sp:  # per-token loss counts tokens after the sequence is whole (Megatron's contract)
-        cases.append(("fp32 adam per-token", dict(bucket_size=500), adam, 2, True))
+        cases.append(("fp32 adam per-token", dict(bucket_size=500, overlap_grad_reduce=True), adam, 2, True))
     for name, ddp_kw, opt_kw, m_micro, per_token in cases:
         what = f"[{layout}] {name}"
         cfg = OptimizerConfig(**opt_kw)
@@ -490,3 +490,4 @@ def test_check_for_nan_in_grad_names_the_parameter():
     ddp2.zero_grad_buffer()
     ((ddp2(x) - t) ** 2).mean().backward()
     ddp2.finish_grad_sync()
+

@@ -112,3 +112,79 @@ def test_nested_fork_of_the_same_stream_continues_it():
         with tracker.fork():
             torch.rand(8)
     assert torch.equal(torch.get_rng_state(), default_before), "the default stream must be left as it was"
+
+
+def test_nested_fork_of_a_stream_open_further_out_continues_it():
+    """fork A, inside it fork B, inside that fork A again: Megatron draws A0, B0, A1, B1, A2."""
+    tracker = tp.get_cuda_rng_tracker()
+
+    def fresh():
+        tracker.reset()
+        tracker.add("A", 11)
+        tracker.add("B", 22)
+
+    fresh()
+    with tracker.fork("A"):
+        a = [torch.rand(4) for _ in range(4)]
+    with tracker.fork("B"):
+        b = [torch.rand(4) for _ in range(2)]
+    fresh()
+    default_before = torch.get_rng_state()
+    with tracker.fork("A"):
+        a0 = torch.rand(4)
+        with tracker.fork("B"):
+            b0 = torch.rand(4)
+            with tracker.fork("A"):
+                a1 = torch.rand(4)
+            b1 = torch.rand(4)
+        a2 = torch.rand(4)
+    for got, want, name in ((a0, a[0], "A0"), (b0, b[0], "B0"), (a1, a[1], "A1"), (b1, b[1], "B1"), (a2, a[2], "A2")):
+        assert torch.equal(got, want), name
+    assert torch.equal(torch.get_rng_state(), default_before), "the default stream must be left as it was"
+    with tracker.fork("A"):  # and the stream goes on from where the nest left it
+        assert torch.equal(torch.rand(4), a[3])
+
+
+def test_checkpoint_takes_megatrons_argument_order():
+    block = nn.Linear(H, H)
+    x = torch.randn(S, H, requires_grad=True)
+    torch.testing.assert_close(tp.checkpoint(block, False, x), block(x))
+    with pytest.raises(TypeError, match="Megatron's argument order"):
+        tp.checkpoint(block, x)
+    with pytest.raises(ValueError, match="distribute_saved_activations=True is not supported"):
+        tp.checkpoint(block, True, x)
+
+
+def _megatron_label_smoothing(logits, target, alpha):
+    """Megatron-Core's vocab_parallel_cross_entropy at TP = 1, written out from its source."""
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    nll = -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    k = logits.size(-1)
+    smoothing = alpha * k / (k - 1)
+    return (1.0 - smoothing) * nll - smoothing * log_probs.mean(dim=-1)
+
+
+def test_label_smoothing_is_megatron_cores(monkeypatch):
+    torch.manual_seed(0)
+    logits, target = torch.randn(5, 2, 11) * 3, torch.randint(0, 11, (5, 2))
+    try:  # megatron-core's own function at TP = 1 where installed (its collectives over one rank: no-ops)
+        import megatron.core.tensor_parallel.cross_entropy as mcore_ce
+        for name, value in (("get_tensor_model_parallel_group", lambda: None),
+                            ("get_tensor_model_parallel_rank", lambda: 0),
+                            ("get_tensor_model_parallel_world_size", lambda: 1)):
+            monkeypatch.setattr(mcore_ce, name, value)
+        monkeypatch.setattr(torch.distributed, "all_reduce", lambda *args, **kwargs: None)
+    except ImportError:
+        mcore_ce = None
+    for alpha in (0.0, 0.1, 0.5):
+        ours = logits.clone().requires_grad_()
+        loss = tp.vocab_parallel_cross_entropy(ours, target, alpha)
+        torch.testing.assert_close(loss, _megatron_label_smoothing(logits, target, alpha).float())
+        if mcore_ce is not None:
+            theirs = logits.clone().requires_grad_()
+            want = mcore_ce.vocab_parallel_cross_entropy(theirs, target, alpha)
+            torch.testing.assert_close(loss, want)
+            w = torch.rand(5, 2)
+            (loss * w).sum().backward()
+            (want * w).sum().backward()
+            torch.testing.assert_close(ours.grad, theirs.grad)

@@ -1,4 +1,6 @@
 """parallel_state: group tables (pure function) and a real 8-process check."""
+import itertools
+
 import pytest
 import torch.distributed as dist
 
@@ -54,9 +56,56 @@ def test_bad_sizes_name_the_numbers(args, match):
         ps.build_group_ranks(*args)
 
 
-def test_bad_order():
-    with pytest.raises(ValueError, match="order must be one of"):
-        ps.build_group_ranks(8, 2, 2, order="pp-tp-dp")
+@pytest.mark.parametrize("order,match", [("tp-xx-pp", "order must name each of tp-dp-pp"),
+                                         ("tp-tp-dp-pp", "order must name each of tp-dp-pp"),
+                                         ("tp-pp", "order 'tp-pp' leaves out dp, whose size is 2")])
+def test_bad_order(order, match):
+    with pytest.raises(ValueError, match=match):
+        ps.build_group_ranks(8, 2, 2, order=order)
+
+
+ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "dp", "pp"))] + ["tp-cp-ep-dp-pp", "TP-PP-CP-DP", "tp-dp"]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_every_order_matches_megatron_rank_generator(order):
+    """Megatron's order strings (any permutation; cp and ep at size 1; a size-1 dim left out) give
+    Megatron-Core's groups: its RankGenerator where megatron-core is installed, else the grid's own
+    definition (ranks that differ only in the group's dimensions) checked by brute force."""
+    for world, tp, pp in ((16, 2, 4), (24, 2, 3), (8, 1, 2), (4, 2, 1)):
+        if order == "tp-dp" and pp > 1:
+            continue
+        g = ps.build_group_ranks(world, tp, pp, order)
+        dp = world // (tp * pp)
+        try:
+            from megatron.core.parallel_state import RankGenerator
+        except ImportError:  # megatron-core not installed: the definition itself
+            dims = ps.parse_order(order)
+            sizes = {"tp": tp, "dp": dp, "pp": pp}
+
+            def coord(r):
+                out = {}
+                for d in dims:
+                    out[d], r = r % sizes[d], r // sizes[d]
+                return out
+            for kind, varying in ps.GROUPS.items():
+                for group in g[kind]:
+                    fixed = {d: v for d, v in coord(group[0]).items() if d not in varying}
+                    assert group == [r for r in range(world) if all(coord(r)[d] == v for d, v in fixed.items())]
+            continue
+        gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order.lower())
+        for kind, token in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("mp", "tp-pp")):
+            assert g[kind] == gen.get_ranks(token), (kind, world, tp, pp)
+
+
+def test_megatron_keywords_refused_by_name_before_any_work():
+    for name, value in (("context_parallel_size", 2), ("expert_model_parallel_size", 2),
+                        ("num_distributed_optimizer_instances", 2), ("expert_tensor_parallel_size", 4),
+                        ("use_sharp", True), ("get_embedding_ranks", lambda ranks, pp=None: ranks)):
+        with pytest.raises(ValueError, match=f"initialize_model_parallel: {name}=.* is not supported"):
+            ps.initialize_model_parallel(2, **{name: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
+        ps.initialize_model_parallel(no_such_option=1)
 
 
 def test_not_initialised_error():
@@ -70,7 +119,12 @@ def _check_real_groups(rank, world_size):
     expect = ps.build_group_ranks(world_size, 2, 2)
     out = {}
     for order in ("tp-dp-pp", "tp-pp-dp"):
-        state = ps.initialize_model_parallel(2, 2, virtual_pipeline_model_parallel_size=2, order=order)
+        # Megatron's keywords at the values that mean this layout are accepted
+        state = ps.initialize_model_parallel(2, 2, virtual_pipeline_model_parallel_size=2,
+                                             order=order.replace("tp-", "tp-cp-ep-"), distributed_timeout_minutes=1,
+                                             context_parallel_size=1, expert_model_parallel_size=1,
+                                             expert_tensor_parallel_size=2, create_gloo_process_groups=False)
+        assert state.order == order
         tables = ps.build_group_ranks(world_size, 2, 2, order)
         for kind in ("tp", "pp", "dp", "mp", "embedding"):
             mine = [grp for grp in tables[kind] if rank in grp]
@@ -79,6 +133,8 @@ def _check_real_groups(rank, world_size):
         for kind, group in (("tp", ps.get_tensor_model_parallel_group()),
                             ("pp", ps.get_pipeline_model_parallel_group()),
                             ("dp", ps.get_data_parallel_group()),
+                            ("dp", ps.get_data_parallel_group(with_context_parallel=False)),
+                            ("dp", ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)),
                             ("mp", ps.get_model_parallel_group())):
             got = [None] * dist.get_world_size(group)
             dist.all_gather_object(got, rank, group=group)
@@ -90,12 +146,17 @@ def _check_real_groups(rank, world_size):
         assert ps.get_tensor_model_parallel_world_size() == 2
         assert ps.get_data_parallel_world_size() == 2
         pp_rank = ps.get_pipeline_model_parallel_rank()
-        assert ps.is_pipeline_first_stage(ignore_virtual=True) == (pp_rank == 0)
-        assert not ps.is_pipeline_first_stage(vp_stage=1)
-        assert ps.is_pipeline_last_stage(vp_stage=1) == (pp_rank == 1)
-        assert ps.is_pipeline_first_stage(vp_stage=0) == (pp_rank == 0)
+        # Megatron-Core's default ignore_virtual=True: the pipeline rank alone
+        assert ps.is_pipeline_first_stage() == ps.is_pipeline_first_stage(ignore_virtual=True) == (pp_rank == 0)
+        assert ps.is_pipeline_last_stage() == (pp_rank == 1)
+        assert ps.is_pipeline_first_stage(vp_stage=1) == (pp_rank == 0)
+        assert not ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=1)
+        assert ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1) == (pp_rank == 1)
+        assert ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0) == (pp_rank == 0)
+        assert ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=0) == (pp_rank == 0)
+        assert ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=1) == (pp_rank == 1)
         with pytest.raises(ValueError, match="pass vp_stage"):
-            ps.is_pipeline_first_stage()  # which chunk? no global "current virtual rank" to guess from
+            ps.is_pipeline_first_stage(ignore_virtual=False)  # which chunk? no global "current virtual rank"
         assert ps.get_virtual_pipeline_model_parallel_world_size() == 2
         try:
             ps.initialize_model_parallel(2, 2)

@@ -144,8 +144,8 @@ def _embedding_and_loss_cases(rank, tp_size, sp):
         lp = _shard(logits_full, 2, r, tp_size).clone().requires_grad_()
         ld = logits_full[..., :vocab].clone().requires_grad_()
         loss = tp.vocab_parallel_cross_entropy(lp, target, label_smoothing=smoothing, vocab_size=vocab)
-        ref_loss = F.cross_entropy(ld.reshape(-1, vocab), target.reshape(-1), reduction="none",
-                                   label_smoothing=smoothing).reshape(s, b)
+        ref_loss = F.cross_entropy(ld.reshape(-1, vocab), target.reshape(-1), reduction="none",  # Megatron's alpha
+                                   label_smoothing=smoothing * vocab / (vocab - 1)).reshape(s, b)
         _close(loss, ref_loss, f"cross entropy (smoothing={smoothing})")
         w = torch.rand(s, b)
         (loss * w).sum().backward()
@@ -275,7 +275,7 @@ def _dropout_recompute_case(rank, tp_size):
         p.grad = None
     tp.get_cuda_rng_tracker().set_states(state)
     torch.set_rng_state(cpu_state)
-    recomputed = tp.checkpoint(block, x)
+    recomputed = tp.checkpoint(block, False, x)
     assert torch.equal(recomputed, plain), "checkpointed forward differs"
     # something else consumes the tracked stream before backward: recompute must not see it
     with tp.get_cuda_rng_tracker().fork():
@@ -401,7 +401,7 @@ def test_cross_entropy_without_tp_equals_the_vocab_parallel_one(dtype):
         target = torch.randint(0, vocab, (16, 4))
         a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
         loss = tp.vocab_parallel_cross_entropy(a, target, label_smoothing=smoothing, vocab_size=vocab)
-        ref = _VocabParallelCrossEntropy.apply(b, target, smoothing, vocab, None)
+        ref = _VocabParallelCrossEntropy.apply(b, target, smoothing * vocab / (vocab - 1), vocab, None)
         w = torch.rand(16, 4)
         (loss * w).sum().backward()
         (ref * w).sum().backward()

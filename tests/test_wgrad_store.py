@@ -21,7 +21,7 @@ class Mlp(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)[0]))[0]
 
     def forward(self, x):
-        return x + (tp.checkpoint(self.block, x) if self.recompute else self.block(x))
+        return x + (tp.checkpoint(self.block, False, x) if self.recompute else self.block(x))
 
 
 def _grads(model, x, deferred=None):

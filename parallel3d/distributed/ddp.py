@@ -42,16 +42,17 @@ from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, backend_is_nccl
 
 @dataclass
 class DistributedDataParallelConfig:
-    """Megatron's DDP options (same names and defaults where Megatron has them)."""
+    """Megatron's DDP options (same names, defaults and meanings where Megatron has them)."""
 
     grad_reduce_in_fp32: bool = False
     """Keep gradients (and reduce them) in fp32 even for bf16/fp16 parameters."""
-    overlap_grad_reduce: bool = True
+    overlap_grad_reduce: bool = False
     """Launch each bucket's collective from the backward hooks; else all at once in start_grad_sync()."""
     use_distributed_optimizer: bool = False
     """ZeRO-1: reduce-scatter gradients (padded buckets) and keep a parameter buffer for the all-gather."""
-    bucket_size: Optional[int] = 40_000_000
-    """Elements per bucket (None: one bucket per buffer). A parameter is never split across buckets."""
+    bucket_size: Optional[int] = None
+    """Elements per bucket; None (Megatron's meaning): max(40M, 1M x DP size) with overlap_grad_reduce,
+    else one bucket per buffer. A parameter is never split across buckets."""
     average_in_collective: bool = False
     """Average in the collective (ReduceOp.AVG) instead of pre-scaling gradients by 1/DP before a SUM."""
     check_for_nan_in_grad: bool = False
@@ -112,6 +113,9 @@ class DistributedDataParallel(nn.Module):
             w = shared_weight(module)
             separate = frozenset(shared + ([w] if w is not None else []))
 
+        bucket_size = ddp_config.bucket_size
+        if bucket_size is None and ddp_config.overlap_grad_reduce:  # Megatron's default for overlapped buckets
+            bucket_size = max(40_000_000, 1_000_000 * self.dp_size)
         by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
         for p in params:
             grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else p.dtype
@@ -119,7 +123,7 @@ class DistributedDataParallel(nn.Module):
         self.param_and_grad_buffers: list[ParamAndGradBuffer] = []
         self.buckets: list[Bucket] = []
         for (param_dtype, grad_dtype), group_params in by_dtype.items():
-            buf = ParamAndGradBuffer(group_params, param_dtype, grad_dtype, ddp_config.bucket_size, self.dp_size,
+            buf = ParamAndGradBuffer(group_params, param_dtype, grad_dtype, bucket_size, self.dp_size,
                                      self.dp_rank, ddp_config.use_distributed_optimizer, separate,
                                      first_bucket_index=len(self.buckets))
             self.param_and_grad_buffers.append(buf)

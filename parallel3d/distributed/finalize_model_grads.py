@@ -11,6 +11,9 @@ Called once per iteration after the last backward (the pipeline executor calls
    on the first stage only: nothing to sum);
 4. per-token loss: divide every gradient by the global number of tokens.
 
+On its first call for a set of chunks it also checks that the copies which must agree do
+(``replica_check.py``): replicated parameters across TP ranks, the tied embedding across stages.
+
 With ZeRO-1 only this rank's shard of each bucket holds reduced gradients after
 step 1. Steps 2-3 stay correct: TP ranks (and, thanks to its own bucket, both
 copies of the shared embedding) have identical bucket layouts, so the elementwise
@@ -29,6 +32,7 @@ from parallel3d.model_chunk import shared_weight
 from parallel3d.tensor_parallel import allreduce_sequence_parallel_gradients
 
 from .ddp import DistributedDataParallel, ddp_chunks
+from .replica_check import check_replicas
 
 
 def _main_grad(param: torch.Tensor) -> torch.Tensor:
@@ -54,47 +58,59 @@ def _embedding_chunk(chunks: Sequence[DistributedDataParallel], state: ps.Parall
     return None
 
 
-def _sum_local_word_embedding_grads(chunks: Sequence[DistributedDataParallel]) -> bool:
-    """A V-shaped schedule puts the first and the last stage on one rank, in two chunks: sum the
-    embedding's and the output layer's gradients right here.  True if this rank did (it then
-    needs no embedding group)."""
-    ends = [next((c.module for c in chunks if getattr(c.module, attr, False)), None)
-            for attr in ("pre_process", "post_process")]
-    first, last = ends
+def _tied_pair(chunks: Sequence[DistributedDataParallel]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """A V-shaped schedule puts the first and the last stage on one rank, in two chunks: the embedding's
+    and the output layer's tied weights, both here (this rank then needs no embedding group)."""
+    first, last = [next((c.module for c in chunks if getattr(c.module, attr, False)), None)
+                   for attr in ("pre_process", "post_process")]
     if first is None or last is None or first is last or not getattr(first, "share_embeddings_and_output_weights", False):
-        return False
-    a, b = _main_grad(first.shared_embedding_or_output_weight()), _main_grad(last.shared_embedding_or_output_weight())
-    a.add_(b)
-    b.copy_(a)
-    return True
+        return None
+    return first.shared_embedding_or_output_weight(), last.shared_embedding_or_output_weight()
 
 
-def _allreduce_word_embedding_grads(chunks: Sequence[DistributedDataParallel], state: ps.ParallelState) -> None:
+def _tied_weight(chunks: Sequence[DistributedDataParallel], state: ps.ParallelState) -> Optional[torch.Tensor]:
+    """This rank's copy of the tied weight it shares with the other end of its pipeline over the
+    embedding group, or None where it shares none over that group."""
     if state.pipeline_model_parallel_size == 1 or not state.is_rank_in_embedding_group():
-        return
-    if _sum_local_word_embedding_grads(chunks):
-        return
+        return None
+    if _tied_pair(chunks) is not None:
+        return None
     if all(hasattr(c.module, "pre_process") for c in chunks) and not any(
             c.module.pre_process or c.module.post_process for c in chunks):
-        return  # the last rank of a V holds neither end
+        return None  # the last rank of a V holds neither end
     group = state.embedding_group
     if group is None or dist.get_world_size(group) == 1:
-        return
+        return None
     module = _embedding_chunk(chunks, state)
     if module is None or not getattr(module, "share_embeddings_and_output_weights", False):
-        return
+        return None
     weight = shared_weight(module)
     if weight is None:
         raise RuntimeError(
             f"pipeline stage {state.pipeline_model_parallel_rank} sets share_embeddings_and_output_weights but "
             "shared_embedding_or_output_weight() returned None"
         )
-    dist.all_reduce(_main_grad(weight), group=group)
+    return weight
+
+
+def _allreduce_word_embedding_grads(chunks: Sequence[DistributedDataParallel], state: ps.ParallelState) -> None:
+    if state.pipeline_model_parallel_size == 1 or not state.is_rank_in_embedding_group():
+        return
+    pair = _tied_pair(chunks)
+    if pair is not None:
+        a, b = _main_grad(pair[0]), _main_grad(pair[1])
+        a.add_(b)
+        b.copy_(a)
+        return
+    weight = _tied_weight(chunks, state)
+    if weight is not None:
+        dist.all_reduce(_main_grad(weight), group=state.embedding_group)
 
 
 @torch.no_grad()
 def finalize_model_grads(model_chunks, num_tokens: Optional[torch.Tensor] = None,
-                         state: Optional[ps.ParallelState] = None) -> None:
+                         state: Optional[ps.ParallelState] = None, *, pg_collection=None,
+                         force_all_reduce: bool = False) -> None:
     """Finish the DP reduction and the TP/PP gradient fix-ups of every chunk (Megatron's contract).
 
     ``num_tokens``: this rank's count of loss tokens (summed over its microbatches;
@@ -102,7 +118,12 @@ def finalize_model_grads(model_chunks, num_tokens: Optional[torch.Tensor] = None
     last stage over PP, summed over DP, and every gradient is divided by it; the
     chunks must have been built with ``config.calculate_per_token_loss=True``.
     The caller's tensor is not modified. ``state`` defaults to the global parallel state.
+    Megatron's keywords ``pg_collection`` (None: the default groups) and ``force_all_reduce``
+    (False) are accepted at those values only.
     """
+    if pg_collection is not None or force_all_reduce:
+        raise ValueError("finalize_model_grads: pg_collection and force_all_reduce=True are not supported; pass "
+                         "state= (a parallel_state.ParallelState) for other groups")
     chunks = ddp_chunks(model_chunks, "finalize_model_grads")
     state = ps.resolve_parallel_state(state)
     if num_tokens is not None:
@@ -117,6 +138,9 @@ def finalize_model_grads(model_chunks, num_tokens: Optional[torch.Tensor] = None
         chunk.finish_grad_sync()
     _allreduce_layernorm_grads(chunks, state)
     _allreduce_word_embedding_grads(chunks, state)
+    if not getattr(chunks[0], "replicas_checked", False):  # the first step: values still initial, gradients final
+        check_replicas(chunks, state, _tied_pair(chunks), _tied_weight(chunks, state))
+        chunks[0].replicas_checked = True
 
     if num_tokens is not None:
         if not isinstance(num_tokens, torch.Tensor):

@@ -125,6 +125,7 @@ class ScheduleExecutor:
         deallocate_pipeline_outputs: bool = False,
         device: Optional[torch.device] = None,
         time_actions: bool = False,
+        collect_non_loss_data: bool = False,
     ):
         if len(model) != schedule.num_model_chunks:
             raise ValueError(f"schedule {schedule.name!r} expects {schedule.num_model_chunks} model chunk(s) "
@@ -141,6 +142,7 @@ class ScheduleExecutor:
         self.recv_spec = recv_spec
         self.variable = variable_seq_lengths
         self.forward_only = forward_only
+        self.collect_non_loss_data = collect_non_loss_data  # forward only: loss_func(out, non_loss_data=True)
         self.grad_scale_func = grad_scale_func
         self.per_token = calculate_per_token_loss
         self.deallocate = deallocate_pipeline_outputs and not forward_only
@@ -196,7 +198,9 @@ class ScheduleExecutor:
         with grad_ctx:
             output, loss_func = self.forward_step_func(self.data_iterators[chunk], model, **(
                 {"vp_stage": chunk} if self.pass_vp_stage else {}))
-            if self._is_last(chunk):
+            if self._is_last(chunk) and self.collect_non_loss_data:
+                self.losses.append(loss_func(output, non_loss_data=True))
+            elif self._is_last(chunk):
                 output = self._loss(loss_func(output))
         outputs = _as_tuple(output)
         if self.forward_only:

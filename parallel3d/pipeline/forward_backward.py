@@ -26,33 +26,48 @@ from .simulate import validate
 from .zero_bubble import hoist_receives_over_w
 
 
-# Megatron's forward_backward_func takes these too; they change nothing here.
-_MEGATRON_ONLY_ARGS = {"decoder_seq_length", "collect_non_loss_data", "first_val_step", "adjust_tensor_shapes_fn"}
+# Megatron's forward_backward_func takes these too: accepted at the value that means what this
+# schedule does, refused by name otherwise.
+_MEGATRON_ARGS = {"decoder_seq_length": None, "first_val_step": None, "adjust_tensor_shapes_fn": None,
+                  "p2p_communicator": None, "pg_collection": None, "force_all_reduce": False}
+_NEUTRAL_ARGS = {"decoder_seq_length", "first_val_step"}  # any value: encoder-decoder / FP8 caching only
+
+# ModelParallelConfig fields Megatron's schedules read that change the result, not honoured here.
+_REFUSED_CONFIG = {"enable_autocast": False, "overlap_moe_expert_parallel_comm": False,
+                   "hybrid_context_parallel": False}
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """What the schedule needs to know about the model: the shape and dtype of what stages send.
+    """What the schedule reads from the model's config (Megatron's ModelParallelConfig fields).
 
-    ``PipelineConfig.of(model_config)`` reads Megatron's TransformerConfig fields; a model without
-    a ``config`` uses the defaults and passes ``tensor_shape`` (or ``variable_seq_lengths``).
+    ``PipelineConfig.of(model_config)`` reads them as Megatron's schedules do, with Megatron's
+    default for a missing field; a model without a ``config`` passes ``tensor_shape``.
+    ``pipeline_dtype`` (what stages send) falls back to ``params_dtype``, then float32.
     """
 
     hidden_size: Optional[int] = None
     sequence_parallel: bool = False
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: Optional[int] = None  # None: the parallel state's
     pipeline_dtype: torch.dtype = torch.float32
     variable_seq_lengths: bool = False
     calculate_per_token_loss: bool = False
     deallocate_pipeline_outputs: bool = False  # only safe when no backward saves a stage's output
+    grad_scale_func: Optional[Callable] = None
+    finalize_model_grads_func: Optional[Callable] = None
 
     @staticmethod
     def of(model_config: Any) -> "PipelineConfig":
         if model_config is None:
             return PipelineConfig()
-        return PipelineConfig(hidden_size=model_config.hidden_size, sequence_parallel=model_config.sequence_parallel,
-                              tensor_model_parallel_size=model_config.tensor_model_parallel_size,
-                              pipeline_dtype=model_config.params_dtype)
+        for name, default in _REFUSED_CONFIG.items():
+            if getattr(model_config, name, default) != default:
+                raise ValueError(f"model.config.{name}={getattr(model_config, name)!r} is not supported by "
+                                 f"parallel3d's schedules; set it to {default!r}")
+        values = {f.name: getattr(model_config, f.name, f.default) for f in dataclasses.fields(PipelineConfig)}
+        values["pipeline_dtype"] = (getattr(model_config, "pipeline_dtype", None)
+                                    or getattr(model_config, "params_dtype", None) or torch.float32)
+        return PipelineConfig(**values)
 
     def tensor_shape(self, seq_length: Optional[int], micro_batch_size: Optional[int]) -> tuple[int, int, int]:
         """[s, b, h] of the hidden states between stages ([s/tp, b, h] under sequence parallelism)."""
@@ -60,8 +75,40 @@ class PipelineConfig:
             raise ValueError("pipeline transfers need tensor_shape, or seq_length, micro_batch_size and "
                              "model.config.hidden_size (or variable_seq_lengths=True)")
         if self.sequence_parallel:
-            seq_length //= self.tensor_model_parallel_size
+            tp = self.tensor_model_parallel_size or parallel_state.resolve_parallel_state().tensor_model_parallel_size
+            seq_length //= tp
         return seq_length, micro_batch_size, self.hidden_size
+
+
+def _model_config(chunk: torch.nn.Module) -> Any:
+    """Megatron's get_model_config: the ``config`` of the chunk or of the module it wraps."""
+    while chunk is not None:
+        config = getattr(chunk, "config", None)
+        if config is not None:
+            return config
+        chunk = getattr(chunk, "module", None)
+    return None
+
+
+def _check_megatron_args(given: dict[str, Any]) -> None:
+    unknown = set(given) - set(_MEGATRON_ARGS)
+    if unknown:
+        raise TypeError(f"forward_backward got unexpected arguments {sorted(unknown)}")
+    for name, value in given.items():
+        default = _MEGATRON_ARGS[name]
+        if name not in _NEUTRAL_ARGS and (value is not None if default is None else value != default):
+            raise ValueError(f"forward_backward: {name}={value!r} is not supported by parallel3d's schedules "
+                             f"(leave it at {_MEGATRON_ARGS[name]!r})")
+
+
+def _check_per_token(chunks: Sequence[torch.nn.Module], per_token: bool) -> None:
+    """DDP chose its 1/DP scaling from the config it was wrapped with: the schedule must agree."""
+    for i, chunk in enumerate(chunks):
+        wrapped = getattr(chunk, "calculate_per_token_loss", None)
+        if wrapped is not None and bool(wrapped) != per_token:
+            raise ValueError(f"forward_backward runs with calculate_per_token_loss={per_token} but model chunk {i} "
+                             f"was wrapped in DistributedDataParallel with calculate_per_token_loss={bool(wrapped)}: "
+                             "set model.config.calculate_per_token_loss once, before wrapping")
 
 
 def default_schedule_name(pipeline_size: int, virtual_size: Optional[int]) -> str:
@@ -124,25 +171,34 @@ def forward_backward(
     pipeline: Optional[PipelineGroup] = None,
     stats: Optional[list] = None,
     time_actions: bool = False,
-    **megatron_only: Any,
+    collect_non_loss_data: bool = False,
+    **megatron_args: Any,
 ) -> list[Any]:
     """Run forward and backward of ``num_microbatches`` through the pipeline; return the last stage's losses.
 
-    ``config``: a :class:`PipelineConfig`; default ``PipelineConfig.of(model[0].config)``. The
-    keyword settings (pipeline_dtype, variable_seq_lengths, calculate_per_token_loss,
-    deallocate_pipeline_outputs; Megatron's names) override its fields where given.
-    ``finalize_model_grads_func(model, num_tokens)`` runs after the schedule.
+    ``config``: a :class:`PipelineConfig`; default ``PipelineConfig.of(model[0].config)``, the
+    fields Megatron's schedules read from the model's config. The keyword settings
+    (pipeline_dtype, variable_seq_lengths, grad_scale_func, finalize_model_grads_func,
+    calculate_per_token_loss, deallocate_pipeline_outputs; Megatron's names) override its fields
+    where given. ``finalize_model_grads_func(model_chunks, num_tokens)`` runs after a backward
+    schedule, ``num_tokens`` None unless calculate_per_token_loss, as Megatron calls it.
+    ``collect_non_loss_data`` (forward only): the last stage returns ``loss_func(output,
+    non_loss_data=True)`` of each microbatch instead of the losses.
     """
-    unknown = set(megatron_only) - _MEGATRON_ONLY_ARGS
-    if unknown:
-        raise TypeError(f"forward_backward got unexpected arguments {sorted(unknown)}")
+    _check_megatron_args(megatron_args)
+    if collect_non_loss_data and not forward_only:
+        raise ValueError("collect_non_loss_data=True needs forward_only=True (Megatron collects non-loss data "
+                         "in evaluation only: there is no loss to run backward from)")
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     pipeline = pipeline or PipelineGroup.from_state()
-    config = config or PipelineConfig.of(getattr(chunks[0], "config", None))
+    config = config or PipelineConfig.of(_model_config(chunks[0]))
     overrides = dict(pipeline_dtype=pipeline_dtype, variable_seq_lengths=variable_seq_lengths,
+                     grad_scale_func=grad_scale_func, finalize_model_grads_func=finalize_model_grads_func,
                      calculate_per_token_loss=calculate_per_token_loss,
                      deallocate_pipeline_outputs=deallocate_pipeline_outputs)
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    if not forward_only:
+        _check_per_token(chunks, config.calculate_per_token_loss)
 
     stages = len(pipeline.ranks)
     vp = parallel_state.resolve_parallel_state().virtual_pipeline_model_parallel_size
@@ -163,15 +219,16 @@ def forward_backward(
     executor = ScheduleExecutor(
         sched, forward_step_func, data_iterator, chunks,
         pipeline=pipeline, recv_spec=recv_spec, variable_seq_lengths=config.variable_seq_lengths,
-        forward_only=forward_only, grad_scale_func=grad_scale_func,
+        forward_only=forward_only, grad_scale_func=config.grad_scale_func,
         calculate_per_token_loss=config.calculate_per_token_loss,
         deallocate_pipeline_outputs=config.deallocate_pipeline_outputs, time_actions=time_actions,
+        collect_non_loss_data=collect_non_loss_data,
     )
     losses = executor.run()
     if stats is not None:
         stats.append(executor.stats)
-    if finalize_model_grads_func is not None and not forward_only:
-        finalize_model_grads_func(chunks, executor.num_tokens if config.calculate_per_token_loss else None)
+    if config.finalize_model_grads_func is not None and not forward_only:
+        config.finalize_model_grads_func(chunks, executor.num_tokens if config.calculate_per_token_loss else None)
     return losses
 
 

@@ -69,7 +69,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = log_z - predicted
 
         if label_smoothing > 0.0:
-            # F.cross_entropy's definition: (1 - e) * nll + e * mean over the vocab of -log p.
+            # (1 - e) * nll + e * mean over the vocab of -log p (e: vocab_parallel_cross_entropy's weight).
             sum_logits = logits.masked_fill(~valid, 0.0).sum(-1) if valid is not None else logits.sum(-1)
             mean_logits = all_reduce(sum_logits, group) / vocab_size
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - mean_logits)
@@ -103,6 +103,12 @@ def vocab_parallel_cross_entropy(
 
     ``vocab_size`` is the real (unpadded) vocabulary: logits of padding ids are
     excluded, so the loss does not depend on how much padding TP needed.
+
+    ``label_smoothing`` alpha is Megatron-Core's (NeMo's): mass alpha spread over the K - 1 wrong
+    classes, i.e. ``(1 - a) * nll + a * mean_k(-log p_k)`` with ``a = alpha * K / (K - 1)``
+    (torch's ``F.cross_entropy(label_smoothing=e)`` is the same with ``a = e``). K is the whole
+    vocabulary (``vocab_size``, else the padded width): Megatron-Core takes K and the mean over each
+    TP rank's vocabulary slice, which agrees at TP = 1 only.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
@@ -112,6 +118,12 @@ def vocab_parallel_cross_entropy(
             "(expected logits [..., vocab/tp] and target [...])"
         )
     group = resolve_tp_group(group)
-    if group_rank_and_size(group)[1] == 1:
+    world = group_rank_and_size(group)[1]
+    if label_smoothing > 0.0:
+        classes = vocab_size if vocab_size is not None else vocab_parallel_logits.size(-1) * world
+        if classes < 2:
+            raise ValueError(f"label_smoothing needs at least 2 classes, got a vocabulary of {classes}")
+        label_smoothing = label_smoothing * classes / (classes - 1)  # the weight of the uniform term
+    if world == 1:
         return fused.cross_entropy(vocab_parallel_logits, target, label_smoothing, vocab_size)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, vocab_size, group)

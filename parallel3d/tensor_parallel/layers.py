@@ -71,9 +71,48 @@ def _init_partition(weight: torch.Tensor, full_shape: tuple[int, int], partition
         weight.copy_(split_tensor_for_rank(master, partition_dim, stride, rank, world_size).to(weight.dtype))
 
 
+def _setting(explicit: Any, config: Any, name: str, default: Any) -> Any:
+    """A keyword given to the layer, else the field of Megatron's ``config`` (which is how Megatron's
+    layers take their settings), else the default."""
+    if explicit is not None:
+        return explicit
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def _device(device: Optional[torch.device], config: Any) -> torch.device:
+    """Megatron's ``config.use_cpu_initialization`` keeps the parameters on the CPU."""
+    if device is not None:
+        return device
+    return torch.device("cpu") if getattr(config, "use_cpu_initialization", False) else default_device()
+
+
+# Megatron's layer keywords with nothing to do here, accepted at these values only (any
+# tp_comm_buffer_name: Megatron does not use it either).
+_MEGATRON_LAYER_KEYWORDS = {"is_expert": False, "keep_master_weight_for_test": False,
+                            "embedding_activation_buffer": None, "grad_output_buffer": None, "tp_comm_buffer_name": ...}
+
+
+def _check_megatron_keywords(layer: str, given: dict[str, Any], config: Any) -> None:
+    for name, value in given.items():
+        if name not in _MEGATRON_LAYER_KEYWORDS:
+            raise TypeError(f"{layer}() got an unexpected keyword argument {name!r}")
+        default = _MEGATRON_LAYER_KEYWORDS[name]
+        if default is not ... and (value is not None if default is None else value != default):
+            raise ValueError(f"{layer}: {name}={value!r} is not supported; leave it at {default!r}")
+    if getattr(config, "expert_model_parallel_size", 1) != 1:
+        raise ValueError(f"{layer}: config.expert_model_parallel_size={config.expert_model_parallel_size} is not "
+                         "supported (no expert parallelism); set it to 1")
+
+
 class _ParallelLinear(nn.Module):
     """What Column- and RowParallelLinear share: their keywords, the group, the weight split along
     ``partition_dim`` and the bias (split with the output of a column layer, whole for a row layer).
+
+    Settings come as keywords or, as Megatron's layers take them, from ``config`` (a
+    ModelParallelConfig/TransformerConfig-like object: ``params_dtype``, ``sequence_parallel``,
+    ``gradient_accumulation_fusion``, ``use_cpu_initialization``, ``perform_initialization``); a
+    keyword given wins over the config's field.
 
     ``sequence_parallel`` is taken as given (Megatron-Core's layers trust their config): the model
     config and the arguments are where it is turned off, with a warning, when TP is 1. A layer built
@@ -85,19 +124,25 @@ class _ParallelLinear(nn.Module):
     zero-bubble W store are side effects Dynamo should not trace; the GEMMs gain nothing from it.
     """
 
-    def __init__(self, input_size: int, output_size: int, partition_dim: int, *, bias: bool = True,
-                 init_method: Optional[InitMethod] = None, stride: int = 1, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, gradient_accumulation_fusion: bool = False,
-                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
-                 tp_group: Optional[dist.ProcessGroup] = None, allocate_weight: bool = True) -> None:
+    def __init__(self, input_size: int, output_size: int, partition_dim: int, *, config: Any = None,
+                 bias: bool = True, init_method: Optional[InitMethod] = None, stride: int = 1,
+                 skip_bias_add: bool = False, sequence_parallel: Optional[bool] = None,
+                 gradient_accumulation_fusion: Optional[bool] = None, params_dtype: Optional[torch.dtype] = None,
+                 perform_initialization: Optional[bool] = None, device: Optional[torch.device] = None,
+                 tp_group: Optional[dist.ProcessGroup] = None, allocate_weight: bool = True,
+                 **megatron_keywords: Any) -> None:
         super().__init__()
+        _check_megatron_keywords(type(self).__name__, megatron_keywords, config)
+        self.config = config
         self.tp_group = resolve_tp_group(tp_group)
         rank, world = group_rank_and_size(self.tp_group)
         self.input_size, self.output_size = input_size, output_size
-        self.sequence_parallel = sequence_parallel
-        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.sequence_parallel = bool(_setting(sequence_parallel, config, "sequence_parallel", False))
+        self.gradient_accumulation_fusion = bool(_setting(gradient_accumulation_fusion, config,
+                                                          "gradient_accumulation_fusion", False))
+        params_dtype = _setting(params_dtype, config, "params_dtype", torch.float32)
         self.skip_bias_add = skip_bias_add
-        self.device = device or default_device()
+        self.device = _device(device, config)
         shape = [output_size, input_size]
         what = f"{type(self).__name__} {'output' if partition_dim == 0 else 'input'}_size"
         shape[partition_dim] = divide(shape[partition_dim], world, what)
@@ -105,8 +150,9 @@ class _ParallelLinear(nn.Module):
         self.weight = None  # supplied at forward time without allocation (e.g. a tied output layer)
         if allocate_weight:
             self.weight = nn.Parameter(torch.empty(shape, dtype=params_dtype, device=self.device))
-            _init_partition(self.weight, (output_size, input_size), partition_dim,
-                            init_method or init_method_normal(0.02), rank, world, stride)
+            if _setting(perform_initialization, config, "perform_initialization", True):
+                _init_partition(self.weight, (output_size, input_size), partition_dim,
+                                init_method or init_method_normal(0.02), rank, world, stride)
             set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride)
         if not bias:
             self.register_parameter("bias", None)
@@ -116,7 +162,7 @@ class _ParallelLinear(nn.Module):
         if partition_dim == 0:
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
         else:  # replicated; applied to a sequence shard under SP, so its gradient needs a TP sum
-            self.bias.sequence_parallel = sequence_parallel
+            self.bias.sequence_parallel = self.sequence_parallel
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, weight={None if self.weight is None else tuple(self.weight.shape)}, "
@@ -133,15 +179,19 @@ class ColumnParallelLinear(_ParallelLinear):
     """
 
     def __init__(self, input_size: int, output_size: int, *, gather_output: bool = False,
-                 skip_weight_param_allocation: bool = False, **common: Any) -> None:
-        """``common``: the keywords both linear layers take (:class:`_ParallelLinear`: bias, init_method,
-        stride, skip_bias_add, sequence_parallel, gradient_accumulation_fusion, params_dtype, device, tp_group)."""
-        if gather_output and common.get("sequence_parallel", False):
-            raise ValueError("ColumnParallelLinear: gather_output=True is incompatible with sequence_parallel=True")
+                 skip_weight_param_allocation: bool = False, disable_grad_reduce: bool = False,
+                 **common: Any) -> None:
+        """``common``: the keywords both linear layers take (:class:`_ParallelLinear`: config, bias,
+        init_method, stride, skip_bias_add, sequence_parallel, gradient_accumulation_fusion,
+        params_dtype, perform_initialization, device, tp_group). ``disable_grad_reduce`` (Megatron's):
+        leave the input gradient unreduced over TP."""
         super().__init__(input_size, output_size, 0, allocate_weight=not skip_weight_param_allocation, **common)
+        if gather_output and self.sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output=True is incompatible with sequence_parallel=True")
         self.gather_output = gather_output
         # Without SP the input is replicated over TP: its gradient is summed over TP.
-        self.allreduce_dgrad = group_rank_and_size(self.tp_group)[1] > 1 and not self.sequence_parallel
+        self.allreduce_dgrad = (group_rank_and_size(self.tp_group)[1] > 1 and not self.sequence_parallel
+                                and not disable_grad_reduce)
 
     @torch.compiler.disable  # eager: see _ParallelLinear
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
@@ -178,9 +228,9 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *, input_is_parallel: bool = True, **common: Any) -> None:
         """``common``: the keywords both linear layers take (see :class:`ColumnParallelLinear`)."""
-        if common.get("sequence_parallel", False) and not input_is_parallel:
-            raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
         super().__init__(input_size, output_size, 1, **common)
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
 
     @torch.compiler.disable  # eager: see _ParallelLinear
@@ -213,7 +263,9 @@ class VocabParallelEmbedding(nn.Module):
     results are summed over TP (or reduce-scattered into sequence shards with
     ``reduce_scatter_embeddings``, which also turns [b, s, h] into [s/tp, b, h]).
     Rows past ``num_embeddings`` are padding: initialised to zero, so the real
-    rows do not depend on TP.
+    rows do not depend on TP. ``make_vocab_size_divisible_by`` defaults to 128, or to 1 with a
+    Megatron ``config`` (Megatron's embedding takes the vocabulary already padded). ``config``:
+    as for the linear layers (``params_dtype``, ``use_cpu_initialization``, ``perform_initialization``).
     """
 
     def __init__(
@@ -222,31 +274,39 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         *,
         init_method: Optional[InitMethod] = None,
-        make_vocab_size_divisible_by: int = 128,
+        make_vocab_size_divisible_by: Optional[int] = None,
         reduce_scatter_embeddings: bool = False,
-        params_dtype: torch.dtype = torch.float32,
+        config: Any = None,
+        params_dtype: Optional[torch.dtype] = None,
+        perform_initialization: Optional[bool] = None,
         device: Optional[torch.device] = None,
         tp_group: Optional[dist.ProcessGroup] = None,
     ):
         super().__init__()
+        _check_megatron_keywords("VocabParallelEmbedding", {}, config)
+        if getattr(config, "deterministic_mode", False):
+            raise ValueError("VocabParallelEmbedding: config.deterministic_mode=True is not supported; set it to False")
+        self.config = config
         self.tp_group = resolve_tp_group(tp_group)
         rank, world = group_rank_and_size(self.tp_group)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
+        if make_vocab_size_divisible_by is None:
+            make_vocab_size_divisible_by = 128 if config is None else 1
         self.padded_num_embeddings = vocab_size_with_padding(num_embeddings, make_vocab_size_divisible_by, world)
         self.vocab_start_index, self.vocab_end_index = vocab_range(self.padded_num_embeddings, rank, world)
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and world > 1
-        device = device or default_device()
+        params_dtype = _setting(params_dtype, config, "params_dtype", torch.float32)
         init_method = init_method or init_method_normal(0.02)
 
-        self.weight = nn.Parameter(
-            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype, device=device)
-        )
-        master = torch.zeros(self.padded_num_embeddings, embedding_dim, dtype=torch.float32)
-        init_method(master[:num_embeddings])
-        with torch.no_grad():
-            self.weight.copy_(master[self.vocab_start_index:self.vocab_end_index].to(params_dtype))
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype,
+                                               device=_device(device, config)))
+        if _setting(perform_initialization, config, "perform_initialization", True):
+            master = torch.zeros(self.padded_num_embeddings, embedding_dim, dtype=torch.float32)
+            init_method(master[:num_embeddings])
+            with torch.no_grad():
+                self.weight.copy_(master[self.vocab_start_index:self.vocab_end_index].to(params_dtype))
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ recomputed dropout masks are identical to the original ones.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -52,10 +52,10 @@ class RNGStatesTracker:
     def __init__(self) -> None:
         self.states: dict[str, torch.Tensor] = {}
         self.seeds: set[int] = set()
-        self.active: set[str] = set()  # streams whose fork() is open: the generator holds their live state
+        self.current: Optional[str] = None  # the stream the generator runs now (None: the default one)
 
     def reset(self) -> None:
-        self.states, self.seeds, self.active = {}, set(), set()
+        self.states, self.seeds, self.current = {}, set(), None
 
     def get_states(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.states.items()}
@@ -76,28 +76,28 @@ class RNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME):
-        """Run the region on stream ``name``; the default stream is left untouched.
+        """Run the region on stream ``name``; the stream that ran before goes on after it.
 
-        A nested fork of a stream that is already open continues it: its saved state is
-        stale until the outer fork exits, and starting from it would repeat the outer
-        region's random numbers (Megatron-LM fixed the same bug in January 2026).
+        As Megatron's: entering stores the live state of the stream that was running (unless it is
+        the default one) before switching, and leaving stores ``name``'s state and switches back to
+        the outer stream's stored state. So a stream forked again further in (A, then B, then A)
+        continues where it stood: A0, B0, A1, B1, A2, never a replay of numbers already drawn.
         """
         if name not in self.states:
             raise KeyError(
                 f"RNG state {name!r} is not in the tracker: call model_parallel_cuda_manual_seed(seed) first"
             )
-        if name in self.active:
-            yield
-            return
-        saved = _get_rng_state()
+        outer, outer_state = self.current, _get_rng_state()
+        if outer is not None:
+            self.states[outer] = outer_state
         _set_rng_state(self.states[name])
-        self.active.add(name)
+        self.current = name
         try:
             yield
         finally:
-            self.active.discard(name)
             self.states[name] = _get_rng_state()
-            _set_rng_state(saved)
+            _set_rng_state(self.states[outer] if outer is not None else outer_state)
+            self.current = outer
 
 
 _TRACKER = RNGStatesTracker()
@@ -173,6 +173,14 @@ class CheckpointFunction(torch.autograd.Function):
         return (None,) + tuple(a.grad if torch.is_tensor(a) else None for a in args)
 
 
-def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
-    """Activation recomputation that reproduces dropout masks (Megatron's ``tensor_parallel.checkpoint``)."""
+def checkpoint(function: Callable[..., Any], distribute_saved_activations: bool, *args: Any) -> Any:
+    """Activation recomputation that reproduces dropout masks (Megatron's ``tensor_parallel.checkpoint``,
+    in its argument order). ``distribute_saved_activations=True`` (saving the input split over TP
+    ranks) is not supported: pass False."""
+    if not isinstance(distribute_saved_activations, bool):
+        raise TypeError("checkpoint(function, distribute_saved_activations, *args) takes Megatron's argument order: "
+                        f"got a {type(distribute_saved_activations).__name__} for distribute_saved_activations")
+    if distribute_saved_activations:
+        raise ValueError("checkpoint: distribute_saved_activations=True is not supported; pass False "
+                         "(config.distribute_saved_activations=False)")
     return CheckpointFunction.apply(function, *args)
