@@ -142,6 +142,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         bias_activation_fusion=args.bias_gelu_fusion and args.bias_swiglu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
         apply_rope_fusion=args.apply_rope_fusion, compile_layers=args.compile, compile_backend=args.compile_backend,
+        calculate_per_token_loss=args.calculate_per_token_loss,
     )
 
 

@@ -138,6 +138,9 @@ class TransformerConfig:
     compile_layers: bool = False
     compile_backend: str = "inductor"  # torch.compile's backend ("aot_eager": trace only, for tests)
 
+    # --- training (Megatron-Core reads it from the model config: DDP's gradient scaling, the schedules) ---
+    calculate_per_token_loss: bool = False  # average over every token of the step, not per microbatch
+
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
