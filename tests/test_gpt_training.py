@@ -33,7 +33,8 @@ LAYOUTS = [
     ("gpt2", 4, 1, 1, True, []),
     ("gpt2", 1, 1, 1, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
     ("llama", 2, 2, 2, True, ["--overlap-grad-reduce"]),
-    ("llama", 1, 2, 2, False, ["--use-distributed-optimizer"]),
+    # every loss_mask is 1 and microbatches are equal: the per-token average is the per-microbatch one
+    ("llama", 1, 2, 2, False, ["--use-distributed-optimizer", "--calculate-per-token-loss"]),
     ("llama", 2, 4, 1, False, []),
 ]
 
