@@ -206,3 +206,18 @@ def test_swiglu_without_ffn_hidden_size_prices_the_mlp_training_builds():
     assert spec.ffn == config.ffn_hidden_size == 256  # 4h would be 384
     assert spec.total_params() == _built_params(config)
     assert model_flops(spec, 8) == config.num_floating_point_operations(8)
+
+
+def test_hopper_prices_a_collective_beside_a_gemm_as_exposed_and_the_search_tries_tp_without_sp():
+    """On Hopper a collective beside a persistent cuBLAS GEMM waits for it (BENCHMARKS.md, "Tensor parallelism:
+    the link"): the planner counts it whole there, hidden behind the GEMM only where the cluster says so;
+    the search offers TP with and without SP (SP for its memory, without for its speed where it fits)."""
+    tp2 = Layout(tensor_model_parallel_size=2, micro_batch_size=4, global_batch_size=16)
+    sp, no_sp = dataclasses.replace(tp2, sequence_parallel=True), tp2
+    hopper = get_cluster("h100-sxm")
+    overlapping = dataclasses.replace(hopper, comm_overlaps_gemm=True)
+    for layout in (sp, no_sp):
+        assert estimate(GPT_1_3B, layout, hopper).step_time_s > estimate(GPT_1_3B, layout, overlapping).step_time_s
+    assert estimate(GPT_1_3B, sp, hopper).peak_memory_gib < estimate(GPT_1_3B, no_sp, hopper).peak_memory_gib
+    layouts = candidates(GPT_1_3B, hopper, 2, Layout(global_batch_size=16), (4,))
+    assert {layout.sequence_parallel for layout in layouts if layout.tp == 2} == {True, False}

@@ -124,15 +124,17 @@ def layout_dropout(model: ModelSpec) -> bool:
     return model.hidden_dropout > 0
 
 
-def _exposed(comm: float, gemm: float) -> float:
+def _exposed(cluster: ClusterSpec, comm: float, gemm: float) -> float:
     """Exposed part of a collective started (async_op=True) before a GEMM and waited for after it.
 
     LinearWithGradAccumulationAndAsyncCommunication.backward (tensor_parallel/linear_functions.py) does
     this twice in a column-parallel linear: under SP, the input's all-gather (for the weight gradient)
     runs beside the input-gradient GEMM; then the input gradient's reduce-scatter (all-reduce without
-    SP) runs beside the weight-gradient GEMM.
+    SP) runs beside the weight-gradient GEMM. Where the GEMMs are persistent (``comm_overlaps_gemm``
+    False: cuBLAS on Hopper holds every SM until it ends), the collective waits for the GEMM and is
+    all exposed (BENCHMARKS.md, "Tensor parallelism: the link").
     """
-    return max(0.0, comm - gemm)
+    return max(0.0, comm - gemm) if cluster.comm_overlaps_gemm else comm
 
 
 def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCost:
@@ -170,14 +172,14 @@ def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCo
         # column-parallel linears all-gather their input again for the weight gradient (it is not
         # kept) beside their input-gradient GEMM, whose reduce-scatter overlaps the weight-gradient GEMM.
         comm_fwd = 2 * ag + 2 * rs
-        comm_bwd = (2 * ag + _exposed(ag, dgrad_qkv) + _exposed(ag, dgrad_fc1)
-                    + _exposed(rs, wgrad_qkv) + _exposed(rs, wgrad_fc1))
+        comm_bwd = (2 * ag + _exposed(cluster, ag, dgrad_qkv) + _exposed(cluster, ag, dgrad_fc1)
+                    + _exposed(cluster, rs, wgrad_qkv) + _exposed(cluster, rs, wgrad_fc1))
     else:
         ar = all_reduce_time(cluster, tp_group, act)
         # Forward: the row-parallel outputs (linear_proj, linear_fc2) are all-reduced, synchronously.
         # Backward: the column-parallel input gradients are all-reduced behind the weight gradient.
         comm_fwd = 2 * ar
-        comm_bwd = _exposed(ar, wgrad_qkv) + _exposed(ar, wgrad_fc1)
+        comm_bwd = _exposed(cluster, ar, wgrad_qkv) + _exposed(cluster, ar, wgrad_fc1)
     if layout.recompute_granularity == "full":
         comm_bwd += comm_fwd  # the recomputed forward communicates again
     return PassCost(fwd, bwd_in, bwd_w, recompute, comm_fwd, comm_bwd)
@@ -267,9 +269,9 @@ def head_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, holds_embe
     act = tokens * h * elem
     if layout.sequence_parallel:  # all-gather in; backward: all-gather again behind the dgrad, RS behind the wgrad
         comm_f = all_gather_time(cluster, group, act)
-        comm_b = _exposed(comm_f, i) + _exposed(reduce_scatter_time(cluster, group, act), w)
+        comm_b = _exposed(cluster, comm_f, i) + _exposed(cluster, reduce_scatter_time(cluster, group, act), w)
     else:  # the output layer's input-gradient all-reduce hides behind its weight-gradient GEMM
-        comm_f, comm_b = 0.0, _exposed(all_reduce_time(cluster, group, act), w)
+        comm_f, comm_b = 0.0, _exposed(cluster, all_reduce_time(cluster, group, act), w)
     comm_f += 3 * all_reduce_time(cluster, group, tokens * 4)  # the loss's max / sum / target logit
     return PassCost(fwd, bwd_in, w, 0.0, comm_f, comm_b)
 

@@ -107,6 +107,9 @@ class ClusterSpec:
     optimizer_gbs: float = 0.0  # fused AdamW, 28 B/param over its time (calibrated); 0: elementwise rate
     context_gib: float = 2.0  # CUDA context, NCCL buffers, cuBLAS workspaces: outside max_memory_allocated
     fragmentation: float = 0.10  # caching-allocator reserve over the allocated peak (see docs/planning.md)
+    # Whether a collective beside a GEMM runs during it. Not on Hopper: cuBLAS's persistent GEMMs hold every
+    # SM until they end, so NCCL's kernel waits (BENCHMARKS.md, "Tensor parallelism: the link").
+    comm_overlaps_gemm: bool = False
     notes: str = ""
 
     @property
@@ -179,6 +182,7 @@ PRESETS: dict[str, ClusterSpec] = {
         intra_busbw_gbs=230.0,  # 600 GB/s NVLink = 300 GB/s each way; NCCL all-reduce reaches ~77%
         intra_p2p_gbs=250.0,
         nic_gbs=22.5,  # 8 x 200 Gb/s HDR per node = 25 GB/s per GPU, ~90% achieved
+        comm_overlaps_gemm=True,  # Ampere's cuBLAS GEMMs launch waves of blocks: NCCL takes SMs between them
         notes="SC21 (Narayanan et al. 2021) Selene: DGX A100 80GB, NVLink 3, 8 x HDR InfiniBand per node"),
     "h100-sxm": ClusterSpec(name="h100-sxm", gpus_per_node=8, num_nodes=1, nic_gbs=45.0,
                             notes="one 8-GPU H100 SXM node; the figures of bench/clusters/h100-sxm-2x.json (2 GPUs)",

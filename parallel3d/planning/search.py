@@ -53,11 +53,14 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, num_gpus: int, base: Layo
         # picks among (so 'auto' adds nothing)
         pipelines = [(vp, None) for vp in vps] + [(None, z) for z, r in SCHEDULES.items()
                                                   if r.splits_backward and r.auto_candidate and pp > 1]
-        for mbs, (vp, schedule), rc, zero in itertools.product(micro_batch_sizes, pipelines, (None, "selective", "full"),
-                                                              (False, True) if dp > 1 else (False,)):
+        # TP with and without sequence parallelism: SP saves activation memory, without it TP ran faster
+        # where it fits (BENCHMARKS.md, "Tensor parallelism: the link")
+        for mbs, (vp, schedule), rc, zero, sp in itertools.product(
+                micro_batch_sizes, pipelines, (None, "selective", "full"), (False, True) if dp > 1 else (False,),
+                (True, False) if tp > 1 else (False,)):
             layout = replace(base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                              data_parallel_size=dp, micro_batch_size=mbs, num_layers_per_virtual_pipeline_stage=vp,
-                             recompute_granularity=rc, use_distributed_optimizer=zero, sequence_parallel=tp > 1,
+                             recompute_granularity=rc, use_distributed_optimizer=zero, sequence_parallel=sp,
                              pipeline_schedule=schedule)
             if fixed:
                 layout = replace(layout, **fixed)
