@@ -195,6 +195,17 @@ def update_num_microbatches(args: argparse.Namespace, consumed_samples: int) -> 
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
 
 
+def samples_consumed(args: argparse.Namespace, iterations: int) -> int:
+    """The samples the first ``iterations`` iterations consume: the rampup's growing batches, then full ones."""
+    if args.rampup_batch_size is None:
+        return iterations * args.target_global_batch_size
+    consumed, done = 0, 0
+    while done < iterations and consumed <= args.rampup_batch_size[2]:
+        consumed += current_global_batch_size(args, consumed)
+        done += 1
+    return consumed + (iterations - done) * args.target_global_batch_size
+
+
 def _iterations_for_samples(args: argparse.Namespace) -> int:
     """Megatron's update_train_iters: the rampup's iterations, then full batches; a partial last batch is dropped."""
     if args.rampup_batch_size is None:

@@ -40,6 +40,7 @@ from parallel3d.distributed import DistributedDataParallel, OptimizerParamSchedu
 from parallel3d.pipeline import forward_backward
 from parallel3d.pipeline.schedules import placement_of, virtual_stage
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
+from parallel3d.training.megatron_args import samples_consumed
 from parallel3d.training.training_config import TrainingConfig, as_training_config
 from parallel3d.training.training_guards import ExitSignalHandler, StepGuard
 
@@ -133,9 +134,12 @@ def _cyclic(loader: Optional[torch.utils.data.DataLoader]) -> Optional[Iterator]
 def build_data_iterators(datasets_provider: Callable, config: TrainingConfig, consumed_train: int,
                          consumed_valid: int, num_chunks: int):
     """One iterator per model chunk (every chunk sees the same sequence of microbatches)."""
-    loop, gbs = config.loop, config.layout.global_batch_size
+    loop, gbs = config.loop, config.layout.target_global_batch_size
     eval_runs = (loop.train_iters // loop.eval_interval + 1) * loop.eval_iters
-    num_samples = (loop.train_iters * gbs, eval_runs * gbs, loop.eval_iters * gbs)
+    # Megatron's sizes: --train-samples when given, else iterations x the global batch; never fewer than the
+    # run consumes (a rampup's last growing batch may pass --train-samples, as in Megatron's update_train_iters).
+    train_samples = max(config.lr_schedule.train_samples or 0, samples_consumed(config.layout, loop.train_iters))
+    num_samples = (train_samples, eval_runs * gbs, loop.eval_iters * gbs)
     train_ds, valid_ds, test_ds = datasets_provider(num_samples)
     state = parallel_state.resolve_parallel_state()
     dp_rank, dp_size = state.data_parallel_rank, state.data_parallel_size
