@@ -224,3 +224,57 @@ def test_compile_check_is_an_error_when_nvcc_exists_but_torch_does_not(tmp_path)
     fake.chmod(0o755)
     proc = _compile_check(tmp_path, {"good.cu": ""}, python=str(fake))
     assert proc.returncode == 1 and "cannot import torch" in proc.stdout
+
+
+_ENSURE = """import json, sys
+sys.path.insert(0, sys.argv[1])
+from parallel3d import bootstrap
+ran = []
+bootstrap._run = lambda cmd, quiet=False: ran.append(cmd) or True  # pip: recorded, not run
+bootstrap.ensure_venv([], sys.argv[2])
+print(json.dumps(ran))
+"""
+
+
+def _ensure_from(python, root, env=None):
+    out = subprocess.run([python, "-c", _ENSURE, ROOT, root], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, **(env or {})))
+    assert out.returncode == 0, out.stderr
+    import json
+    return json.loads(out.stdout)
+
+
+def _checkout(tmp_path):
+    root = tmp_path / "checkout"
+    root.mkdir()
+    for name in ("pyproject.toml", "setup.py"):
+        shutil.copy(os.path.join(ROOT, name), root / name)
+    return str(root)
+
+
+def test_venv_from_a_virtual_env_reuses_its_torch(tmp_path):
+    """Issue 30 item 1: from a venv with torch, .venv saw only the base interpreter and installed a second torch."""
+    outer = tmp_path / "myenv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(outer)], check=True, timeout=120)
+    (packages,) = (outer / "lib").glob("python*/site-packages")
+    (packages / "torch").mkdir()
+    (packages / "torch" / "__init__.py").write_text("__version__ = '9.9.9+outer'\n")
+    root = _checkout(tmp_path)
+    ran = _ensure_from(str(outer / "bin" / "python"), root, {"CONDA_PREFIX": ""})
+    assert len(ran) == 1 and ran[0][-2:] == ["-e", root], ran  # only parallel3d, no torch install
+    seen = subprocess.run([bootstrap.venv_python(root), "-c", "import torch; print(torch.__version__, torch.__file__)"],
+                          capture_output=True, text=True, timeout=60).stdout.split()
+    assert seen == ["9.9.9+outer", str(packages / "torch" / "__init__.py")]
+    # the same .venv run from the base Python again: the outer env is no longer linked
+    base = os.path.join(sys.base_prefix, "bin", "python3")
+    _ensure_from(base, root, {"CONDA_PREFIX": ""})
+    assert not list(tmp_path.glob("checkout/.venv/lib/python*/site-packages/" + bootstrap._OUTER_PTH))
+
+
+def test_venv_from_a_system_python_links_nothing_more(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "prefix", sys.base_prefix)
+    monkeypatch.setenv("CONDA_PREFIX", "")
+    assert bootstrap.outer_site_packages(str(tmp_path)) == []  # --system-site-packages already shows them
+    monkeypatch.setenv("CONDA_PREFIX", sys.base_prefix)  # a conda env's python is its own base
+    import site
+    assert bootstrap.outer_site_packages(str(tmp_path)) == [d for d in site.getsitepackages() if os.path.isdir(d)]
