@@ -278,3 +278,14 @@ def test_venv_from_a_system_python_links_nothing_more(tmp_path, monkeypatch):
     monkeypatch.setenv("CONDA_PREFIX", sys.base_prefix)  # a conda env's python is its own base
     import site
     assert bootstrap.outer_site_packages(str(tmp_path)) == [d for d in site.getsitepackages() if os.path.isdir(d)]
+
+
+def test_torchrun_workers_of_the_tests_import_this_checkout(tmp_path):
+    """Issue 30 item 13: tests/gpu's workers died with `No module named 'parallel3d'` in a checkout not installed."""
+    import torchrun
+
+    script = tmp_path / "worker.py"  # outside the checkout, as tests/gpu/parity_worker.py is outside its root
+    script.write_text("import parallel3d\nprint('imported', parallel3d.__file__)\n")
+    result = torchrun.run(1, [str(script)], timeout=120, env={"PYTHONPATH": ""})
+    assert result.returncode == 0, result.output[-3000:]
+    assert f"imported {os.path.join(ROOT, 'parallel3d', '__init__.py')}" in result.output

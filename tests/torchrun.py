@@ -3,6 +3,7 @@
 ``run(nproc, argv, timeout, env)`` starts ``python -m torch.distributed.run`` in a new session, reads
 its output line by line with the time each line arrived, and kills the whole session (torchrun and
 every worker) at ``timeout``, so a hung job fails the test in bounded time and leaves nothing behind.
+The workers import parallel3d from the checkout the tests run from (``checkout_env``), installed or not.
 """
 import dataclasses
 import os
@@ -32,9 +33,15 @@ class Launch:
         return self.exited_at - times[-1]
 
 
+def checkout_env(env: dict) -> dict:
+    """``env`` with this checkout first on PYTHONPATH: a worker script (tests/gpu/parity_worker.py) is not
+    started from the checkout's root, so without it a plain checkout's workers cannot import parallel3d."""
+    return dict(env, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p]))
+
+
 def run(nproc: int, argv: list, timeout: float, env: dict | None = None) -> Launch:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] + list(argv)
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = checkout_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {})))
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
