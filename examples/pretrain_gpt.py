@@ -21,10 +21,13 @@ import sys
 from functools import partial
 from typing import Optional
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+if __name__ == "__main__":
+    from parallel3d.bootstrap import reexec_unless_ready  # noqa: E402
+    reexec_unless_ready(__file__)  # this Python lacks torch & co: run inside .venv, as the demo does
+
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import fused, parallel_state  # noqa: E402

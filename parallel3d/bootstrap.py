@@ -18,13 +18,18 @@ pyproject.toml / setup.py (a stamp file in .venv records it):
 3. ``pip install -e <checkout>[extras]`` into .venv, with the torch found there pinned, so pip
    can never swap it.
 
-``PARALLEL3D_NO_VENV=1`` skips all of this and uses the running interpreter as it is.
+``PARALLEL3D_NO_VENV=1`` skips all of this and uses the running interpreter as it is (a script
+whose dependencies are missing there then stops at once with the one pip command that installs them).
+
+The tools and examples/pretrain_gpt.py, run as scripts, call :func:`reexec_unless_ready`: they run in
+the Python that started them when it has parallel3d's dependencies, else inside .venv, like the demo.
 """
 from __future__ import annotations
 
 import argparse
 import glob
 import hashlib
+import importlib.util
 import os
 import shutil
 import site
@@ -38,6 +43,8 @@ TORCH_VERSION = "2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 _STAMP = "parallel3d-install.stamp"
 _OUTER_PTH = "parallel3d-outer-env.pth"
+# pyproject.toml's [project] dependencies, as import names (tests/test_packaging.py keeps them equal)
+REQUIRED_MODULES = ("torch", "safetensors", "numpy", "tqdm")
 
 
 def _say(message: str) -> None:
@@ -177,12 +184,46 @@ def ensure_venv(extras: Sequence[str] = (), root: str = ROOT) -> str:
     return py
 
 
+def missing_modules() -> list[str]:
+    """The dependencies this Python cannot import (looked up, not imported: cheap)."""
+    return [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None]
+
+
+def _refuse_missing(missing: Sequence[str], why: str) -> None:
+    raise SystemExit(f"parallel3d: {why}, and this Python ({sys.executable}) lacks {', '.join(missing)}; install "
+                     f"them with: {sys.executable} -m pip install -e {ROOT}")
+
+
 def reexec_in_venv(script: str, argv: Sequence[str], extras: Sequence[str] = ()) -> None:
-    """Run ``script argv`` inside the project's .venv (set up first); returns only when already there."""
-    if running_in_venv() or os.environ.get("PARALLEL3D_NO_VENV") == "1":
+    """Run ``script argv`` inside the project's .venv (set up first); returns only when already there.
+
+    With PARALLEL3D_NO_VENV=1 it returns at once, or stops naming the install command if a dependency
+    is missing (rather than every process failing later on its import)."""
+    if running_in_venv():
+        return
+    if os.environ.get("PARALLEL3D_NO_VENV") == "1":
+        missing = missing_modules()
+        if missing:
+            _refuse_missing(missing, "PARALLEL3D_NO_VENV=1 uses the running Python as it is")
         return
     py = ensure_venv(extras)
     os.execv(py, [py, script, *argv])
+
+
+def reexec_unless_ready(script: str) -> None:
+    """For a script of the checkout (tools/*.py, examples/pretrain_gpt.py): return when this Python has
+    parallel3d's dependencies, else re-run ``script`` with the same arguments inside .venv.
+
+    Under torchrun (whose workers must not each set up .venv) a missing dependency stops the job with the
+    install command, printed by local rank 0 only."""
+    missing = missing_modules()
+    if not missing or running_in_venv():
+        return
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            raise SystemExit(1)
+        _refuse_missing(missing, "the launcher started this worker")
+    reexec_in_venv(os.path.abspath(script), sys.argv[1:])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -289,3 +289,51 @@ def test_torchrun_workers_of_the_tests_import_this_checkout(tmp_path):
     result = torchrun.run(1, [str(script)], timeout=120, env={"PYTHONPATH": ""})
     assert result.returncode == 0, result.output[-3000:]
     assert f"imported {os.path.join(ROOT, 'parallel3d', '__init__.py')}" in result.output
+
+
+SCRIPTS = ["tools/preprocess_data.py", "tools/convert_checkpoint.py", "tools/generate.py", "tools/plan.py",
+           "tools/verify_checkpoint.py", "examples/pretrain_gpt.py", "examples/custom_model_tp.py"]
+
+
+def _bare_python(script, argv, env=None, cwd=None):
+    """``script`` run by this interpreter without its site-packages (-S): a Python without torch & co."""
+    full = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    return subprocess.run([sys.executable, "-S", script, *argv], capture_output=True, text=True, timeout=60,
+                          env=dict(full, **(env or {})), cwd=cwd)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_rerun_inside_the_venv_from_a_python_without_torch(tmp_path, script):
+    """Issue 30 item 3: `python3 tools/x.py` ended in `No module named 'torch'` where the demo re-runs in .venv."""
+    root = _checkout(tmp_path)
+    for name in ("parallel3d/__init__.py", "parallel3d/bootstrap.py", script):
+        os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), os.path.join(root, name))
+    py = bootstrap.venv_python(root)  # a set-up .venv whose python shows how it was called
+    os.makedirs(os.path.dirname(py))
+    with open(py, "w") as f:
+        f.write('#!/bin/sh\necho "in .venv: $@"\n')
+    os.chmod(py, 0o755)
+    with open(os.path.join(bootstrap.venv_dir(root), bootstrap._STAMP), "w") as f:
+        f.write(bootstrap.stamp_text([], root))
+    out = _bare_python(os.path.join(root, script), ["--help", "x y"], {"CONDA_PREFIX": ""})
+    assert out.returncode == 0 and out.stdout == f"in .venv: {os.path.join(root, script)} --help x y\n", out.stderr
+    # under torchrun no worker sets up .venv: local rank 0 names the install command, the others just stop
+    for rank, said in (("0", "lacks torch, safetensors, numpy, tqdm; install them with: "), ("1", "")):
+        out = _bare_python(os.path.join(root, script), [], {"LOCAL_RANK": rank})
+        assert out.returncode == 1 and said in out.stderr and (said or not out.stderr), out.stderr
+
+
+def test_no_venv_without_the_dependencies_names_the_install_command():
+    """Issue 30 item 11: PARALLEL3D_NO_VENV=1 failed after 24 s on every rank with `No module named 'safetensors'`."""
+    out = _bare_python(os.path.join(ROOT, "examples", "demo.py"), ["--train-iters", "2"],
+                       {"PARALLEL3D_NO_VENV": "1"})
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == (f"parallel3d: PARALLEL3D_NO_VENV=1 uses the running Python as it is, and this Python "
+                          f"({sys.executable}) lacks torch, safetensors, numpy, tqdm; install them with: "
+                          f"{sys.executable} -m pip install -e {ROOT}\n")
+
+
+def test_required_modules_are_the_projects_dependencies():
+    names = [d.split(">")[0].split("=")[0].split("<")[0].strip() for d in PYPROJECT["project"]["dependencies"]]
+    assert list(bootstrap.REQUIRED_MODULES) == names

@@ -27,6 +27,8 @@ from typing import Any, Optional, Sequence
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from parallel3d.bootstrap import reexec_unless_ready  # noqa: E402
+    reexec_unless_ready(__file__)  # this Python lacks torch & co: run inside .venv, as the demo does
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

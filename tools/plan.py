@@ -17,6 +17,9 @@ import sys
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):
+    from parallel3d.bootstrap import reexec_unless_ready  # noqa: E402
+    reexec_unless_ready(__file__)  # this Python lacks torch & co: run inside .venv, as the demo does
 
 from parallel3d.pipeline.registry import build_schedule  # noqa: E402
 from parallel3d.pipeline.schedules import SCHEDULE_NAMES  # noqa: E402

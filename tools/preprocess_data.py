@@ -22,6 +22,8 @@ import time
 if __package__ in (None, ""):
     # run as a script: make the repo importable without installing it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from parallel3d.bootstrap import reexec_unless_ready  # noqa: E402
+    reexec_unless_ready(__file__)  # this Python lacks torch & co: run inside .venv, as the demo does
 
 from parallel3d.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype, get_bin_path, get_idx_path
 from parallel3d.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
