@@ -32,7 +32,7 @@ import torch.distributed as dist
 from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.training.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
-from parallel3d.training.checkpoint_args import apply_checkpoint_args  # noqa: E402
+from parallel3d.training.checkpoint_args import apply_checkpoint_args, take_checkpoint_split  # noqa: E402
 from parallel3d.training.checkpoint_integrity import CheckpointError  # noqa: E402
 from parallel3d.data.token_stats import check_tokens_fit_vocab  # noqa: E402
 from parallel3d.training.megatron_runtime import check_wandb_available  # noqa: E402
@@ -243,6 +243,10 @@ def main(argv=None) -> dict:
         config = transformer_config_from_args(args)  # validates heads, groups, dims against TP
         training_config = TrainingConfig.from_args(args)
         partition = layer_partition(args, config)
+        took = take_checkpoint_split(args, partition)  # a converted checkpoint's split, not the default's
+        if took:
+            print_once(took)
+            partition = layer_partition(args, config)
         if args.data_path:
             check_data_fits_vocab(args.data_path, args.vocab_size, f"--tokenizer-type {args.tokenizer_type}")
     except (ArgumentError, ValueError, FileNotFoundError, ImportError, CheckpointError) as e:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.training import checkpointing
-from parallel3d.training.checkpoint_integrity import CheckpointError
+from parallel3d.training.checkpoint_integrity import FILES_KEY, CheckpointError
 from parallel3d.device import default_device
 
 _FLAG_OF = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
@@ -98,13 +98,8 @@ def load_for_training(config: Any, model: Sequence[torch.nn.Module], optimizer: 
         return 0, 0, 0
     load_optim = not (ckpt.no_load_optim or ckpt.finetune)
     load_rng = not (ckpt.no_load_rng or ckpt.finetune)
-    saved = checkpointing.read_metadata(checkpointing.find_checkpoint_dir(ckpt.load, latest)).get("args") or {}
-    for what, skipped, flag in (("optimizer", load_optim and saved.get("no_save_optim"), "--no-load-optim"),
-                                ("RNG", load_rng and saved.get("no_save_rng"), "--no-load-rng")):
-        if skipped:
-            raise CheckpointError(f"{ckpt.load} (iteration {latest}) was saved without {what} state "
-                                  f"(--no-save-{'optim' if what == 'optimizer' else 'rng'}): resume with {flag}, "
-                                  "or with --finetune")
+    meta = checkpointing.read_metadata(checkpointing.find_checkpoint_dir(ckpt.load, latest))
+    _check_resumable(ckpt.load, latest, meta, config, load_optim, load_rng)
     iteration, meta = checkpointing.load_checkpoint(
         ckpt.load, model, optimizer if load_optim else None,
         CheckedScheduler(scheduler, config.lr_schedule) if load_optim else None,
@@ -122,6 +117,41 @@ def load_for_training(config: Any, model: Sequence[torch.nn.Module], optimizer: 
         say(f"notice: the checkpoint is at iteration {iteration} >= --train-iters {train_iters}: nothing to "
             "train. Raise --train-iters to continue, or add --finetune to train these weights from iteration 0")
     return iteration, consumed_train, consumed_valid
+
+
+def _precision(fp16: bool, bf16: bool, loss_scale: Optional[float]) -> str:
+    return ("--fp16" if fp16 else "--bf16" if bf16 else "fp32") + (f" --loss-scale {loss_scale:g}" if loss_scale else "")
+
+
+def _check_resumable(load: str, iteration: int, meta: dict, config: Any, load_optim: bool, load_rng: bool) -> None:
+    """Refuse, before a tensor is read, a resume the checkpoint cannot serve, naming the flags that resume it:
+    state it does not hold (--no-save-optim / --no-save-rng, or a converted checkpoint: weights only), or an
+    optimizer state of other loss scaling (a grad scaler, --fp16 or --loss-scale, on one side only)."""
+    saved = meta.get("args") or {}
+    files = meta.get(FILES_KEY)  # None: saved before file records were kept
+
+    def holds(test: Callable[[str], bool]) -> bool:
+        return files is None or any(test(name) for name in files)
+
+    missing = []  # (state, the flag that resumes without it)
+    if load_optim and (saved.get("no_save_optim") or not holds(lambda name: name.endswith("/optimizer.pt"))):
+        missing.append(("optimizer", "--no-load-optim"))
+    if load_rng and (saved.get("no_save_rng") or not holds(lambda name: name.startswith("rng/"))):
+        missing.append(("RNG", "--no-load-rng"))
+    if missing:
+        why = ("written by tools/convert_checkpoint.py, which keeps the weights only" if meta.get("args") is None
+               else ", ".join(flag.replace("load", "save") for _, flag in missing))
+        raise CheckpointError(f"{load} (iteration {iteration}) was saved without {' or '.join(m[0] for m in missing)} "
+                              f"state ({why}): resume with {' '.join(m[1] for m in missing)} (the iteration and data "
+                              "position are kept), or with --finetune (its weights, from iteration 0)")
+    opt = config.optimizer
+    if load_optim and "fp16" in saved:
+        if bool(saved["fp16"] or saved.get("loss_scale")) != bool(opt.fp16 or opt.loss_scale):  # a grad scaler
+            was = _precision(saved["fp16"], saved.get("bf16"), saved.get("loss_scale"))
+            now = _precision(opt.fp16, opt.bf16, opt.loss_scale)
+            raise CheckpointError(f"{load} (iteration {iteration}) was saved with {was}, this run has {now}: the "
+                                  "optimizer state's loss scaling differs; resume with the checkpoint's "
+                                  f"{was}, or add --no-load-optim to take its weights with a fresh optimizer")
 
 
 def single_process_env() -> bool:
