@@ -35,7 +35,7 @@ from parallel3d.training.arguments import ArgumentError, parse_args, validate_ar
 from parallel3d.training.checkpoint_args import apply_checkpoint_args, take_checkpoint_split  # noqa: E402
 from parallel3d.training.checkpoint_integrity import CheckpointError  # noqa: E402
 from parallel3d.data.token_stats import check_tokens_fit_vocab  # noqa: E402
-from parallel3d.training.megatron_runtime import check_wandb_available  # noqa: E402
+from parallel3d.training.megatron_runtime import check_logging_available  # noqa: E402
 from parallel3d.data import (  # noqa: E402
     IndexedDatasetBuilder,
     best_fitting_dtype,
@@ -231,7 +231,7 @@ def main(argv=None) -> dict:
             changed = apply_checkpoint_args(args)
             print_once(f"--use-checkpoint-args: from {args.load}: {', '.join(changed) or 'nothing to change'}")
         validate_args(args, world_size)
-        check_wandb_available(args)
+        check_logging_available(args)
         if args.sample_tokens < 0:
             raise ArgumentError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_file=args.vocab_file,

@@ -278,14 +278,8 @@ class TrainingLogger:
         args = self.config.logging
         self.active = is_last_rank()  # the last rank holds the losses (Megatron logs there too)
         self.json = open(args.log_json, "a") if (self.active and args.log_json) else None
-        self.tb = None
-        if self.active and args.tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(args.tensorboard_dir)
-            except ImportError:
-                print("tensorboard is not installed: --tensorboard-dir ignored (pip install tensorboard)")
+        self.tb = megatron_runtime.TensorBoardSink(args.tensorboard_dir) \
+            if (self.active and args.tensorboard_dir) else None
         self.wandb = megatron_runtime.WandbSink(args, self.config.run_args()) \
             if (self.active and args.wandb_project) else None
         self.bar = (progress.make_bar(self.config.loop.train_iters, "training", stream=sys.stdout,
@@ -313,14 +307,11 @@ class TrainingLogger:
         if self.json:
             self.json.write(json.dumps(record) + "\n")
             self.json.flush()
-        if self.tb:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "iteration":
-                    self.tb.add_scalar(k, v, record["iteration"])
 
     def log(self, iteration: int, lr: float, grad_norm: Optional[float], loss_scale: Optional[float],
-            layout: Any = None) -> None:
-        """``layout``: the logged iteration's (its batch, under --rampup-batch-size); default the config's."""
+            layout: Any = None, consumed_samples: Optional[int] = None) -> None:
+        """``layout``: the logged iteration's (its batch, under --rampup-batch-size); default the config's.
+        ``consumed_samples``: after this iteration (TensorBoard's "vs samples" tags)."""
         layout = layout or self.config.layout
         train_iters = self.config.loop.train_iters
         if torch.cuda.is_available():
@@ -341,6 +332,8 @@ class TrainingLogger:
                   "memory_gb": mem_gb, "skipped_iterations": self.skipped, "loss_scale": loss_scale}
         if self.active:
             self.write(record)
+            if self.tb:
+                self.tb.log_train(record, loss, consumed_samples, layout.global_batch_size)
             if self.bar is not None:
                 self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
             mfu = f" | MFU {100 * record['mfu']:.1f}%" if record["mfu"] else ""
@@ -352,9 +345,11 @@ class TrainingLogger:
                   + (f" | skipped {self.skipped}" if self.skipped else ""))
         self.reset()
 
-    def log_eval(self, iteration: int, losses: dict[str, float]) -> None:
+    def log_eval(self, iteration: int, losses: dict[str, float], consumed_samples: Optional[int] = None) -> None:
         if not self.active:
             return
+        if self.tb:
+            self.tb.log_eval(iteration, losses, consumed_samples)
         loss = losses.get("lm loss", next(iter(losses.values()), float("nan")))
         ppl = math.exp(min(loss, 20.0))
         progress.emit(self.bar, f"validation at iteration {iteration} | lm loss {loss:.4f} | perplexity {ppl:.2f}")
@@ -449,9 +444,10 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
         if iteration % config.logging.log_interval == 0 or iteration == loop.train_iters:
             scale = optimizer.get_loss_scale() if loop.fp16 else None
             logger.log(iteration, optimizer.param_groups[0]["lr"], grad_norm,
-                       float(scale) if scale is not None else None, layout)
+                       float(scale) if scale is not None else None, layout, consumed_train)
         if any(v is not None for v in valid_iter) and loop.eval_interval and iteration % loop.eval_interval == 0:
-            logger.log_eval(iteration, evaluate(forward_step_func, valid_iter, model, step_config, eval_losses))
+            logger.log_eval(iteration, evaluate(forward_step_func, valid_iter, model, step_config, eval_losses),
+                            consumed_train)
             consumed_valid += loop.eval_iters * layout.global_batch_size
         if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0 and not bad:
             save(iteration)
