@@ -32,6 +32,7 @@ import torch.distributed as dist
 from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.training.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
+from parallel3d.training.argument_rules import report_bad_input  # noqa: E402
 from parallel3d.training.checkpoint_args import apply_checkpoint_args, take_checkpoint_split  # noqa: E402
 from parallel3d.training.checkpoint_integrity import CheckpointError  # noqa: E402
 from parallel3d.data.token_stats import check_tokens_fit_vocab  # noqa: E402
@@ -250,11 +251,9 @@ def main(argv=None) -> dict:
         if args.data_path:
             check_data_fits_vocab(args.data_path, args.vocab_size, f"--tokenizer-type {args.tokenizer_type}")
     except (ArgumentError, ValueError, FileNotFoundError, ImportError, CheckpointError) as e:
-        # Every rank checks the same input and exits with the same line, before any collective: each
-        # rank's log says why it stopped (the project's rule for bad input).
-        sys.stderr.write(f"error: {e}\n")  # one write: two ranks' lines never run together
-        sys.stderr.flush()
-        sys.exit(2)
+        # Every rank checks the same input before any collective: rank 0 says it (a rank whose own machine
+        # differs, too), so the launch reports one line per problem, not one per rank.
+        sys.exit(report_bad_input(e))
 
     # Past this point a failure is one "error: rank N: ..." line per rank (PARALLEL3D_DEBUG=1: the traceback).
     with errors_as_one_line():

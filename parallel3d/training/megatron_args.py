@@ -117,7 +117,7 @@ def _refuse(flag: str, why: str) -> None:
     raise MegatronFlagError(f"{flag} is not supported by parallel3d: {why}")
 
 
-def _check_refusals(args: argparse.Namespace) -> None:
+def check_refusals(args: argparse.Namespace) -> None:
     for flag, alternative in REFUSED.items():
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
             _refuse(flag, alternative)
@@ -275,6 +275,6 @@ def scheduler_steps(args: argparse.Namespace) -> dict[str, Optional[int]]:
 
 def check_megatron_args(args: argparse.Namespace) -> None:
     """Refusals, aliases and sample-based training; needs data_parallel_size and global_batch_size."""
-    _check_refusals(args)
+    check_refusals(args)
     _apply_aliases(args)
     _derive_sample_based(args)

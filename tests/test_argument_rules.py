@@ -1,0 +1,125 @@
+"""Argument errors of a whole command line at once, printed once per launch (issue 30 item 7); combinations
+Megatron refuses, flags a combination leaves without effect (issue 29 item 11); pre-flight checks of the
+machine (issue 29 item 17)."""
+import os
+
+import pytest
+
+from parallel3d.training.argument_rules import report_bad_input
+from parallel3d.training.arguments import ArgumentError, parse_args, validate_args
+
+
+def _problems(argv, world=1):
+    with pytest.raises(ArgumentError) as info:
+        validate_args(parse_args(argv), world)
+    return info.value.problems
+
+
+def test_every_bad_value_of_a_command_line_is_reported_at_once():
+    problems = _problems(["--micro-batch-size", "0", "--lr", "-1", "--bf16", "--fp16", "--seed", "-3",
+                          "--tensor-model-parallel-size", "3"], world=2)
+    assert problems[0].startswith("world size (2) is not divisible by --tensor-model-parallel-size (3)")
+    assert problems[1:] == ["--micro-batch-size must be >= 1, got 0", "--lr must be >= 0, got -1.0",
+                            "--seed must be in [0, 2**31) (numpy seeds the data order with it), got -3",
+                            "--bf16 and --fp16 are exclusive"]
+
+
+def test_a_refusal_is_printed_by_rank_0_only(capsys, monkeypatch):
+    error = ArgumentError("--lr must be >= 0, got -1.0", "--bf16 and --fp16 are exclusive")
+    monkeypatch.setenv("RANK", "0")
+    assert report_bad_input(error) == 2
+    assert capsys.readouterr().err == "error: --lr must be >= 0, got -1.0\nerror: --bf16 and --fp16 are exclusive\n"
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert report_bad_input(error) == 0 and capsys.readouterr().err == ""  # rank 0 carries the failure
+    # a rank's own machine may differ from rank 0's: the first process of each node says it
+    monkeypatch.setenv("RANK", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert report_bad_input(FileNotFoundError("no file /data/x.bin")) == 2
+    assert capsys.readouterr().err == "error: rank 4: no file /data/x.bin\n"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert report_bad_input(FileNotFoundError("no file /data/x.bin")) == 2 and capsys.readouterr().err == ""
+
+
+def test_an_unknown_flag_is_one_line_not_the_usage(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--no-such-flag", "3"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == ("error: unrecognized arguments: --no-such-flag 3 (--help lists the options)\n")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--no-such-flag", "3"])
+    assert info.value.code == 0 and capsys.readouterr().err == ""
+
+
+# ----------------------------------------------------------------------------- issue 29 item 11
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"],
+     "--lr-warmup-fraction and --lr-warmup-iters both set the warmup: give one (Megatron refuses both)"),
+    (["--train-samples", "100", "--lr-warmup-fraction", "0.1", "--lr-warmup-samples", "5"],
+     "--lr-warmup-fraction and --lr-warmup-samples both set the warmup"),
+    (["--recompute-granularity", "selective", "--recompute-method", "block"],
+     "--recompute-method block applies to --recompute-granularity full only"),
+])
+def test_combinations_megatron_refuses_are_refused(argv, message):
+    assert any(p.startswith(message) for p in _problems(argv)), _problems(argv)
+
+
+@pytest.mark.parametrize("argv,warning", [
+    (["--num-query-groups", "2"], "--num-query-groups has no effect: only --group-query-attention uses it"),
+    (["--recompute-method", "block"], "--recompute-method has no effect: without --recompute-granularity full"),
+    (["--finetune"], "--finetune has no effect: there is no --load"),
+    (["--save-interval", "5"], "--save-interval has no effect: there is no --save"),
+    (["--bf16", "--min-loss-scale", "4"], "--min-loss-scale has no effect: they tune dynamic loss scaling"),
+    (["--hysteresis", "4", "--loss-scale-window", "50"], "--loss-scale-window, --hysteresis have no effect"),
+    (["--optimizer", "sgd", "--adam-beta1", "0.8"], "--adam-beta1 has no effect: --optimizer is sgd"),
+    (["--sgd-momentum", "0.5"], "--sgd-momentum has no effect: --optimizer is adam"),
+    (["--no-check-for-nan-in-loss-and-grad", "--skip-nonfinite-iters", "2"],
+     "--skip-nonfinite-iters has no effect: --no-check-for-nan-in-loss-and-grad"),
+    (["--split", "100,0,0", "--eval-iters", "2"],
+     "--eval-iters 2 has no effect: --split 100,0,0 gives the validation set no weight"),
+])
+def test_flags_without_effect_in_their_combination_are_warned_once(argv, warning, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    validate_args(parse_args(argv), 1)
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 1 and f"warning: {warning}" in err, err
+    monkeypatch.setenv("RANK", "1")
+    validate_args(parse_args(argv), 1)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_plain_command_line_gets_no_warning(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    validate_args(parse_args(["--fp16", "--min-loss-scale", "4", "--save", "x", "--save-interval", "5",
+                              "--group-query-attention", "--num-query-groups", "2"]), 1)
+    assert "warning" not in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- issue 29 item 17
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_non_finite_numbers_are_refused(value):
+    assert _problems([f"--lr={value}"])[0] == f"--lr must be a finite number, got {float(value)}"
+    assert _problems([f"--clip-grad={value}"])[0] == f"--clip-grad must be a finite number, got {float(value)}"
+
+
+def test_nccl_without_cuda_is_refused_before_init(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _problems(["--distributed-backend", "nccl"]) == [
+        "--distributed-backend nccl needs CUDA GPUs and torch sees none (torch.cuda.is_available() is False): use "
+        "--distributed-backend gloo, or omit the flag"]
+
+
+def test_a_bad_log_json_path_is_refused_before_init(tmp_path):
+    missing = str(tmp_path / "no" / "log.jsonl")
+    assert _problems(["--log-json", missing]) == [
+        f"--log-json {missing}: the directory {os.path.dirname(missing)} does not exist"]
+    assert _problems(["--log-json", str(tmp_path)])[0].startswith(f"--log-json {tmp_path} is a directory")
+    validate_args(parse_args(["--log-json", str(tmp_path / "log.jsonl")]), 1)
