@@ -33,6 +33,7 @@ from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.training.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
 from parallel3d.training.argument_rules import report_bad_input  # noqa: E402
+from parallel3d.training.preflight import check_fits  # noqa: E402
 from parallel3d.training.checkpoint_args import apply_checkpoint_args, take_checkpoint_split  # noqa: E402
 from parallel3d.training.checkpoint_integrity import CheckpointError  # noqa: E402
 from parallel3d.data.token_stats import check_tokens_fit_vocab  # noqa: E402
@@ -242,6 +243,7 @@ def main(argv=None) -> dict:
             raise ArgumentError(f"--vocab-size ({args.vocab_size}) is smaller than the tokenizer's "
                                 f"({tokenizer.vocab_size})")
         config = transformer_config_from_args(args)  # validates heads, groups, dims against TP
+        check_fits(args, config.padded_vocab_size)  # absurd sizes: the planner's estimate, before init
         training_config = TrainingConfig.from_args(args)
         partition = layer_partition(args, config)
         took = take_checkpoint_split(args, partition)  # a converted checkpoint's split, not the default's

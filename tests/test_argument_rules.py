@@ -123,3 +123,38 @@ def test_a_bad_log_json_path_is_refused_before_init(tmp_path):
         f"--log-json {missing}: the directory {os.path.dirname(missing)} does not exist"]
     assert _problems(["--log-json", str(tmp_path)])[0].startswith(f"--log-json {tmp_path} is a directory")
     validate_args(parse_args(["--log-json", str(tmp_path / "log.jsonl")]), 1)
+
+
+def _fits(argv, world=1, capacity=64 * 2 ** 30, host=64 * 2 ** 30):
+    from parallel3d.training.preflight import check_fits
+
+    args = validate_args(parse_args(["--vocab-size", "256"] + argv), world)
+    try:
+        check_fits(args, 256, (capacity, "64.0 GiB of the test device"), host)
+    except ArgumentError as e:
+        return e.problems
+    return []
+
+
+def test_absurd_sizes_are_refused_before_init_with_the_estimate_and_what_fits():
+    """Issue 29 item 17: these failed after init, on every rank, with raw allocator errors."""
+    (wide,) = _fits(["--hidden-size", "65536", "--num-attention-heads", "64"])
+    assert wide.startswith("this layout needs at least ") and "more than the 64.0 GiB of the test device" in wide
+    assert "the weights, gradients and optimizer state alone need" in wide and "model-parallel ranks" in wide
+    (deep,) = _fits(["--num-layers", "100000"])
+    assert "the weights, gradients and optimizer state alone need" in deep
+    (batch,) = _fits(["--micro-batch-size", "100000", "--global-batch-size", "100000"])
+    fits = int(batch.split("--micro-batch-size ")[-1].split()[0])
+    assert batch.endswith(f"--micro-batch-size {fits} fits by the estimate") and 1 <= fits < 100000
+    assert _fits(["--micro-batch-size", str(fits), "--global-batch-size", str(fits)]) == []
+    (long_run,) = _fits(["--train-iters", str(10 ** 10), "--micro-batch-size", "1", "--global-batch-size", "1"])
+    assert long_run == (f"--train-iters {10 ** 10} x global batch 1 = {10 ** 10:,} samples: their data index alone "
+                        "needs 298.0 GiB (32 bytes a sample), more than the host's 64.0 GiB per process; at most "
+                        "about 2,147,483,648 iterations fit")
+    assert _fits([]) == []  # the defaults fit
+    # the machine's own memory where none is given (host memory on CPU processes)
+    from parallel3d.training.preflight import check_fits
+
+    args = validate_args(parse_args(["--vocab-size", "256", "--hidden-size", "65536", "--num-attention-heads", "64"]), 1)
+    with pytest.raises(ArgumentError, match="GiB host memory per process"):
+        check_fits(args, 256)

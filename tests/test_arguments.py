@@ -196,6 +196,7 @@ SCRIPT_CASES = [
     (["--eval-iters", "-1"], "--eval-iters must be >= 0, got -1"),
     (["--train-iters", "10", "--lr-warmup-iters", "20"], "--lr-warmup-iters (20) must be < --lr-decay-iters (10"),
     (["--sample-tokens", "-1"], "--sample-tokens must be >= 0, got -1"),
+    (["--hidden-size", "65536", "--num-attention-heads", "64"], "GiB per process by the planner's estimate"),
     (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "TOKENIZER"], "cannot read tokenizer file "),
 ]
 
