@@ -79,7 +79,7 @@ def test_nothing_imports_the_bare_models_or_tools_name():
 def test_console_scripts_resolve():
     scripts = PYPROJECT["project"]["scripts"]
     assert {"parallel3d-preprocess-data", "parallel3d-convert-checkpoint", "parallel3d-generate",
-            "parallel3d-verify-checkpoint", "parallel3d-plot-log"} <= set(scripts)
+            "parallel3d-verify-checkpoint", "parallel3d-plot-log", "parallel3d-plan"} <= set(scripts)
     for target in scripts.values():
         module, func = target.split(":")
         assert callable(getattr(importlib.import_module(module), func)), target
