@@ -255,3 +255,21 @@ def test_tensorboard_missing_is_refused_before_training(monkeypatch):
     from parallel3d.training import TrainingLogger
     with pytest.raises(ImportError, match="--tensorboard-dir needs the tensorboard package"):
         TrainingLogger(_logger_args(tensorboard_dir="tb"))
+
+
+def test_the_log_starts_at_iteration_1_and_rates_no_gpu_on_cpu(tmp_path, capsys):
+    """Issue 30 item 12: the demo's curve began at iteration 25, and CPU logs said `0.0 TFLOP/s/GPU`."""
+    from gpt_harness import layout_args, train
+
+    args = layout_args("gpt2", iters=6, extra=["--log-interval", "5", "--log-json", str(tmp_path / "log.jsonl")])
+    train(args)
+    records = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    assert [r["iteration"] for r in records] == [1, 5, 6]
+    from parallel3d.training import TrainingLogger
+
+    logger = TrainingLogger(_logger_args())
+    logger.record({"lm loss": 2.0}, False)
+    logger.log(2, 1e-3, 1.0, None)
+    logger.close()
+    line = capsys.readouterr().out
+    assert "iteration      2/4" in line and "TFLOP/s" not in line and "tokens/s | mem" in line

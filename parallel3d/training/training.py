@@ -339,9 +339,10 @@ class TrainingLogger:
             mfu = f" | MFU {100 * record['mfu']:.1f}%" if record["mfu"] else ""
             gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
             tf = f"{tflops:.1f}" if tflops is not None else "n/a"  # n/a: a model config without a FLOPs count
+            tf = f" | {tf} TFLOP/s/GPU{mfu}" if torch.cuda.is_available() else ""  # CPU processes: no GPU to rate
             progress.emit(self.bar, f"iteration {iteration:6d}/{train_iters} | loss {record['loss']:.4f} | lr {lr:.3e} | "
-                  f"grad norm {gn} | {per_iter * 1000:.0f} ms/it | {tokens_per_s:,.0f} tokens/s | "
-                  f"{tf} TFLOP/s/GPU{mfu} | mem {mem_gb:.2f} GB"
+                  f"grad norm {gn} | {per_iter * 1000:.0f} ms/it | {tokens_per_s:,.0f} tokens/s"
+                  f"{tf} | mem {mem_gb:.2f} GB"
                   + (f" | skipped {self.skipped}" if self.skipped else ""))
         self.reset()
 
@@ -441,7 +442,8 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
         history.append(loss)
         grad_norms.append(grad_norm)
         logger.record(loss, skipped)
-        if iteration % config.logging.log_interval == 0 or iteration == loop.train_iters:
+        # iteration 1 too: a loss curve starts at the untrained model's loss
+        if iteration % config.logging.log_interval == 0 or iteration in (1, loop.train_iters):
             scale = optimizer.get_loss_scale() if loop.fp16 else None
             logger.log(iteration, optimizer.param_groups[0]["lr"], grad_norm,
                        float(scale) if scale is not None else None, layout, consumed_train)
