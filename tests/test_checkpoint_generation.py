@@ -163,8 +163,8 @@ def _generate_cli_error(argv, world_size, monkeypatch) -> str:
 def test_generate_cli_errors(checkpoints, tmp_path, monkeypatch):
     load = ["--load", checkpoints["gpt2"]["tp2pp2"], "--output-json", str(tmp_path / "o.json")]
     for argv, world, message in (
-        (["--prompt-ids", "1,2", "--max-new-tokens", "2"], 1,
-         r"world size \(1\) must equal the checkpoint's TP \(2\) x PP \(2\) = 4"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "2"], 2,
+         r"world size \(2\) must be the checkpoint's TP \(2\) x PP \(2\) = 4, or 1"),
         (["--prompt-ids", "1,2", "--max-new-tokens", "2", "--greedy", "--temperature", "0.7"], 4,
          "--greedy excludes --temperature"),
         (["--prompt", "hello", "--max-new-tokens", "2"], 4, "--prompt needs --tokenizer-type"),
@@ -176,6 +176,31 @@ def test_generate_cli_errors(checkpoints, tmp_path, monkeypatch):
         assert text.startswith("error: ") and re.search(message, text), (argv, text)
     assert "holds no checkpoint" in _generate_cli_error(
         ["--load", str(tmp_path), "--prompt-ids", "1", "--score-only", "--output-json", "x"], 1, monkeypatch)
+
+
+def test_generate_in_one_process_from_any_layout_without_output_json(checkpoints, hf, monkeypatch, capsys):
+    """Issue 30 item 9: generate.py needed exactly TP x PP processes and --output-json."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    tokens, logprobs = hf["gpt2"][2], hf["gpt2"][3]
+    result = generate_tool.main(["--load", checkpoints["gpt2"]["tp2pp2"], "--prompt-ids", ",".join(map(str, tokens)),
+                                 "--score-only"])
+    printed = capsys.readouterr()
+    assert "resharding" in printed.err and json.loads(printed.out) == result  # one JSON line on stdout
+    assert result["tokens"] == tokens and max(abs(a - b) for a, b in zip(result["logprobs"], logprobs)) < 1e-4
+
+
+def test_generate_takes_the_checkpoints_tokenizer_and_returns_text(tmp_path, monkeypatch, capsys):
+    import gpt_harness as training
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    args = training.layout_args("gpt2", iters=2, extra=["--tokenizer-type", "byte"])
+    args.save = str(tmp_path / "ckpt")
+    training.train(args)
+    result = generate_tool.main(["--load", args.save, "--prompt", "hi", "--max-new-tokens", "3"])
+    assert result["tokens"][:2] == list(b"hi") and len(result["tokens"]) == 5
+    assert result["text"].startswith("hi") and json.loads(capsys.readouterr().out)["text"] == result["text"]
 
 
 # ------------------------------------------------------------------------------------ training -> HF
