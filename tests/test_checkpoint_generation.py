@@ -23,7 +23,9 @@ from parallel3d.models.generation import check_generation_args, generate, sample
 from parallel3d.testing import run_distributed
 
 from hf_checkpoints import LAYOUTS, NEW_TOKENS, PROMPT, ROOT, _hf_class, _hf_logprobs
+from parallel3d.data import build_tokenizer
 from parallel3d.tools import generate as generate_tool
+from test_megatron_flags import gpt2_files  # noqa: F401 - a fixture: GPT-2 BPE files
 from parallel3d.tools.convert_checkpoint import convert
 
 
@@ -247,3 +249,32 @@ def test_pretrain_gpt_sample_prompt_uses_the_generation_library(tmp_path):
     outs = run_distributed(_pretrain_with_sample, 2, args=(argv,), timeout=240,
                            env={"WORLD_SIZE": "2", "PARALLEL3D_CACHE": str(tmp_path)})
     assert "sample (greedy, 20 tokens):\ndef f" in outs[1], outs[1][-2000:]
+
+
+def test_hf_export_carries_the_trained_tokenizer_and_its_eos(tmp_path, capsys, gpt2_files):
+    """Issue 30 item 9: the export had no tokenizer files and `eos_token_id: null`."""
+    pytest.importorskip("tokenizers")
+    import gpt_harness as training
+
+    vocab_file, merge_file, vocab = gpt2_files
+    args = training.layout_args("gpt2", iters=2, extra=["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                                                        vocab_file, "--merge-file", merge_file])
+    args.save = str(tmp_path / "ckpt")
+    training.train(args)
+    convert("parallel3d", "hf", args.save, str(tmp_path / "hf"))
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    assert config["eos_token_id"] == config["bos_token_id"] == vocab["<|endoftext|>"]
+    assert open(tmp_path / "hf" / "vocab.json").read() == open(vocab_file).read()
+    from transformers import AutoTokenizer
+
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert theirs("hello world")["input_ids"] == ours.tokenize("hello world")
+
+    args = training.layout_args("gpt2", iters=2, extra=["--tokenizer-type", "byte"])
+    args.save = str(tmp_path / "byte")
+    training.train(args)
+    capsys.readouterr()
+    convert("parallel3d", "hf", args.save, str(tmp_path / "hf_byte"))
+    assert json.load(open(tmp_path / "hf_byte" / "config.json"))["eos_token_id"] == build_tokenizer("byte").eod
+    assert "note: no tokenizer files in the export: the byte tokenizer has no Hugging Face" in capsys.readouterr().err

@@ -149,7 +149,7 @@ def convert(loader: str, saver: str, load_dir: str, save_dir: str, *, target_ten
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become --save-dir's mode
         if saver == "hf":
-            target = HfSaver(tmp, config, source.extra.get("hf_config"))
+            target = HfSaver(tmp, config, source.extra.get("hf_config"), getattr(source, "args", None))
         else:
             target = Parallel3dSaver(tmp, config, source.iteration, source.extra)
         try:
