@@ -155,6 +155,7 @@ def test_absurd_sizes_are_refused_before_init_with_the_estimate_and_what_fits():
     # the machine's own memory where none is given (host memory on CPU processes)
     from parallel3d.training.preflight import check_fits
 
-    args = validate_args(parse_args(["--vocab-size", "256", "--hidden-size", "65536", "--num-attention-heads", "64"]), 1)
+    args = validate_args(parse_args(["--vocab-size", "256", "--hidden-size", "65536",
+                                     "--num-attention-heads", "64"]), 1)
     with pytest.raises(ArgumentError, match="GiB host memory per process"):
         check_fits(args, 256)

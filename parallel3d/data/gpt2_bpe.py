@@ -11,7 +11,8 @@ class GPT2BPETokenizer:
     """``tokenize`` / ``detokenize`` / ``vocab_size`` / ``eod`` (``<|endoftext|>``), as Megatron's."""
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
-        for flag, path, name in (("--vocab-file", vocab_file, "vocab.json"), ("--merge-file", merge_file, "merges.txt")):
+        for flag, path, name in (("--vocab-file", vocab_file, "vocab.json"),
+                                 ("--merge-file", merge_file, "merges.txt")):
             if not path:
                 raise FileNotFoundError(f"GPT2BPETokenizer needs {flag} (GPT-2's {name}; nothing is downloaded)")
             if not os.path.isfile(path):

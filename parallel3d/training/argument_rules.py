@@ -153,8 +153,15 @@ def ineffective_flags(args: argparse.Namespace, defaults: dict) -> list[str]:
     return warnings
 
 
-def optimizer_and_schedule_problems(args: argparse.Namespace) -> Optional[str]:
-    """The optimizer's and LR schedule's rules, in the flags' own units (iterations), before any work."""
+def check_optimizer_and_schedule(args: argparse.Namespace) -> None:
+    """The optimizer's and LR schedule's rules, in the flags' own units (iterations), before any work
+    (after the rules above: it derives --lr-decay-iters and a fraction's warmup)."""
+    problem = _optimizer_and_schedule_problem(args)
+    if problem:
+        raise ArgumentError(problem)
+
+
+def _optimizer_and_schedule_problem(args: argparse.Namespace) -> Optional[str]:
     if args.min_lr > args.lr:
         return f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})"
     if args.loss_scale is not None and not (args.fp16 or args.bf16):
@@ -196,9 +203,10 @@ def environment_problems(args: argparse.Namespace) -> list[str]:
     if args.log_json:
         folder = os.path.dirname(os.path.abspath(args.log_json))
         if os.path.isdir(args.log_json):
-            problems.append(f"--log-json {args.log_json} is a directory: give a file path, e.g. {args.log_json}/log.jsonl")
+            problems.append(f"--log-json {args.log_json} is a directory: give a file path, e.g. "
+                            f"{args.log_json}/log.jsonl")
         elif not os.path.isdir(folder):
             problems.append(f"--log-json {args.log_json}: the directory {folder} does not exist")
-        elif not os.access(folder, os.W_OK) or (os.path.exists(args.log_json) and not os.access(args.log_json, os.W_OK)):
+        elif not os.access(args.log_json if os.path.exists(args.log_json) else folder, os.W_OK):
             problems.append(f"--log-json {args.log_json} is not writable")
     return problems

@@ -5,7 +5,7 @@ Megatron-LM's (``--tensor-model-parallel-size``, ``--micro-batch-size``, ...), s
 launch scripts move over unchanged. ``validate_args(args, world_size)`` derives
 the data-parallel size and the number of microbatches and rejects layouts that
 cannot exist, with the numbers in the message. Every rank runs the same checks
-on the same input, so every rank exits with the same message.
+on the same input; ``argument_rules.report_bad_input`` prints them once, from rank 0.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from parallel3d.training.argument_rules import (  # noqa: F401 - ArgumentError i
     environment_problems,
     ineffective_flags,
     notice as _notice,
-    optimizer_and_schedule_problems,
+    check_optimizer_and_schedule,
     raise_problems,
     range_problems,
     refused_combinations,
@@ -266,7 +266,8 @@ def _layout_rule(rule: Callable[..., Any], *sizes: Any) -> Any:
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive DP size, virtual size and microbatch count; refuse impossible settings.
 
-    Each refusal is one ArgumentError naming the flag, its value and what it must be. The rules of
+    A refusal is one ArgumentError whose ``problems`` each name a flag, its value and what it must be
+    (every problem of the independent value rules at once; the dependent ones after, one by one). The rules of
     the process layout and the batch live here (the layout's shared with parallel_state); how the
     model splits over it (layers over the pipeline stages, heads / groups / FFN / sequence over TP)
     is the model config's rule (models/config.py), checked when the application builds it from
@@ -339,7 +340,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         check_megatron_args(args)
     except MegatronFlagError as e:
         raise ArgumentError(str(e)) from None
-    raise_problems([p for p in [optimizer_and_schedule_problems(args)] if p])
+    check_optimizer_and_schedule(args)
     if args.save_interval is None and args.save is not None:
         args.save_interval = args.train_iters
     if args.recompute_granularity == "full" and args.recompute_method is None:

@@ -122,7 +122,8 @@ def load_for_training(config: Any, model: Sequence[torch.nn.Module], optimizer: 
 
 
 def _precision(fp16: bool, bf16: bool, loss_scale: Optional[float]) -> str:
-    return ("--fp16" if fp16 else "--bf16" if bf16 else "fp32") + (f" --loss-scale {loss_scale:g}" if loss_scale else "")
+    scale = f" --loss-scale {loss_scale:g}" if loss_scale else ""
+    return ("--fp16" if fp16 else "--bf16" if bf16 else "fp32") + scale
 
 
 def _check_resumable(load: str, iteration: int, meta: dict, config: Any, load_optim: bool, load_rng: bool) -> None:

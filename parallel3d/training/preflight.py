@@ -34,7 +34,8 @@ def process_memory() -> tuple[float, str]:
     """(bytes one process may use, what they are): its GPU's memory, else its share of the host's."""
     if default_backend() != "nccl":
         host = host_memory_per_process()
-        return host, f"{host / GIB:.1f} GiB host memory per process ({os.environ.get('LOCAL_WORLD_SIZE', '1')} on this host)"
+        processes = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        return host, f"{host / GIB:.1f} GiB host memory per process ({processes} on this host)"
     import torch
 
     props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
