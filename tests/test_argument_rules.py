@@ -126,9 +126,11 @@ def test_a_bad_log_json_path_is_refused_before_init(tmp_path):
 
 
 def _fits(argv, world=1, capacity=64 * 2 ** 30, host=64 * 2 ** 30):
+    from gpt_harness import pretrain_gpt  # its --sample-prompt / --sample-tokens
     from parallel3d.training.preflight import check_fits
 
-    args = validate_args(parse_args(["--vocab-size", "256"] + argv), world)
+    args = validate_args(parse_args(["--vocab-size", "256"] + argv, extra_args_provider=pretrain_gpt.add_example_args),
+                         world)
     try:
         check_fits(args, 256, (capacity, "64.0 GiB of the test device"), host)
     except ArgumentError as e:
@@ -152,6 +154,12 @@ def test_absurd_sizes_are_refused_before_init_with_the_estimate_and_what_fits():
                         "needs 298.0 GiB (32 bytes a sample), more than the host's 64.0 GiB per process; at most "
                         "about 2,147,483,648 iterations fit")
     assert _fits([]) == []  # the defaults fit
+    sample = ["--position-embedding-type", "rope", "--sample-prompt", "x", "--sample-tokens"]
+    (tokens,) = _fits(sample + [str(10 ** 9)])
+    # 4 layers x 2 (k, v) x 128 channels x 4 bytes a token
+    assert tokens == ("--sample-tokens 1000000000 needs a KV cache of 3,814.7 GiB for the --sample-prompt "
+                      "continuation, more than the 64.0 GiB of the test device; at most about 16,777,216 tokens fit")
+    assert _fits(sample + ["16777216"]) == []
     # the machine's own memory where none is given (host memory on CPU processes)
     from parallel3d.training.preflight import check_fits
 

@@ -1,11 +1,12 @@
 """Pre-flight: refuse, before the process group starts, a run whose memory cannot fit this machine.
 
 Sizes that pass every range rule can still be absurd (``--hidden-size 65536``, ``--num-layers 100000``,
-``--micro-batch-size 100000``, ``--train-iters 10000000000``): they used to fail after init, each rank
-with a raw allocator error. The planner's memory model (parallel3d.planning, docs/planning.md) gives a
-lower bound of one process's peak: the weights, gradients and optimizer state of its pipeline stage plus
-one microbatch's activations. A layout whose lower bound exceeds the device (or, on CPUs, the host's
-memory shared by its processes) cannot run, and is refused naming the estimate and what fits.
+``--micro-batch-size 100000``, ``--train-iters 10000000000``, ``--sample-tokens 100000000``): they used to
+fail after init, each rank with a raw allocator error. The planner's memory model (parallel3d.planning,
+docs/planning.md) gives a lower bound of one process's peak: the weights, gradients and optimizer state
+of its pipeline stage plus one microbatch's activations. A layout whose lower bound exceeds the device
+(or, on CPUs, the host's memory shared by its processes) cannot run, and is refused naming the estimate
+and what fits; so are a data index and a sampling KV cache larger than memory.
 """
 from __future__ import annotations
 
@@ -76,6 +77,22 @@ def _data_problem(args: argparse.Namespace, host: float) -> Optional[str]:
             f"than the host's {host / GIB:,.1f} GiB per process; at most about {fits:,} iterations fit")
 
 
+def _sampling_problem(args: argparse.Namespace, capacity: float, what: str) -> Optional[str]:
+    """examples/pretrain_gpt.py's --sample-prompt continuation: its KV cache (2 x tokens x query groups x
+    kv channels per layer of a pipeline stage, on one TP rank). A learned position table caps the tokens itself."""
+    tokens = getattr(args, "sample_tokens", 0) if getattr(args, "sample_prompt", None) else 0
+    if not tokens or args.position_embedding_type == "learned_absolute":
+        return None
+    kv = (args.kv_channels or args.hidden_size // args.num_attention_heads) * \
+        (args.num_query_groups or args.num_attention_heads) // args.tensor_model_parallel_size
+    per_token = 2 * kv * math.ceil(args.num_layers / args.pipeline_model_parallel_size) * (2 if args.bf16 or args.fp16
+                                                                                              else 4)
+    if tokens * per_token <= capacity:
+        return None
+    return (f"--sample-tokens {tokens} needs a KV cache of {tokens * per_token / GIB:,.1f} GiB for the --sample-prompt "
+            f"continuation, more than the {what}; at most about {int(capacity // per_token):,} tokens fit")
+
+
 def check_fits(args: argparse.Namespace, padded_vocab_size: int,
                capacity: Optional[tuple[float, str]] = None, host: Optional[float] = None) -> None:
     """Raise an ArgumentError (all problems) when the validated ``args`` cannot fit this machine's memory.
@@ -84,5 +101,7 @@ def check_fits(args: argparse.Namespace, padded_vocab_size: int,
     ``host``: one process's share of host memory (the data index lives there), default measured."""
     capacity = capacity or process_memory()
     host = host_memory_per_process() if host is None else host
-    raise_problems([p for p in (_model_problem(args, padded_vocab_size, *capacity), _data_problem(args, host)) if p])
+    problems = (_model_problem(args, padded_vocab_size, *capacity), _data_problem(args, host),
+                _sampling_problem(args, *capacity))
+    raise_problems([p for p in problems if p])
 
