@@ -13,12 +13,15 @@ shared_embedding_or_output_weight) and nothing else. Runs on CPUs (gloo) or GPUs
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+if __name__ == "__main__":
+    from parallel3d.bootstrap import reexec_unless_ready  # noqa: E402
+    reexec_unless_ready(__file__)  # this Python lacks torch & co: run inside .venv, as the demo does
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from parallel3d import parallel_state as ps  # noqa: E402
 from parallel3d.device import default_backend  # noqa: E402

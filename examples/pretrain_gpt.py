@@ -21,18 +21,23 @@ import sys
 from functools import partial
 from typing import Optional
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+if __name__ == "__main__":
+    from parallel3d.bootstrap import reexec_unless_ready  # noqa: E402
+    reexec_unless_ready(__file__)  # this Python lacks torch & co: run inside .venv, as the demo does
+
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
 from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.training.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
-from parallel3d.training.checkpoint_args import apply_checkpoint_args  # noqa: E402
+from parallel3d.training.argument_rules import report_bad_input  # noqa: E402
+from parallel3d.training.preflight import check_fits  # noqa: E402
+from parallel3d.training.checkpoint_args import apply_checkpoint_args, take_checkpoint_split  # noqa: E402
 from parallel3d.training.checkpoint_integrity import CheckpointError  # noqa: E402
 from parallel3d.data.token_stats import check_tokens_fit_vocab  # noqa: E402
-from parallel3d.training.megatron_runtime import check_wandb_available  # noqa: E402
+from parallel3d.training.megatron_runtime import check_logging_available  # noqa: E402
 from parallel3d.data import (  # noqa: E402
     IndexedDatasetBuilder,
     best_fitting_dtype,
@@ -228,7 +233,7 @@ def main(argv=None) -> dict:
             changed = apply_checkpoint_args(args)
             print_once(f"--use-checkpoint-args: from {args.load}: {', '.join(changed) or 'nothing to change'}")
         validate_args(args, world_size)
-        check_wandb_available(args)
+        check_logging_available(args)
         if args.sample_tokens < 0:
             raise ArgumentError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_file=args.vocab_file,
@@ -238,16 +243,19 @@ def main(argv=None) -> dict:
             raise ArgumentError(f"--vocab-size ({args.vocab_size}) is smaller than the tokenizer's "
                                 f"({tokenizer.vocab_size})")
         config = transformer_config_from_args(args)  # validates heads, groups, dims against TP
+        check_fits(args, config.padded_vocab_size)  # absurd sizes: the planner's estimate, before init
         training_config = TrainingConfig.from_args(args)
         partition = layer_partition(args, config)
+        took = take_checkpoint_split(args, partition)  # a converted checkpoint's split, not the default's
+        if took:
+            print_once(took)
+            partition = layer_partition(args, config)
         if args.data_path:
             check_data_fits_vocab(args.data_path, args.vocab_size, f"--tokenizer-type {args.tokenizer_type}")
     except (ArgumentError, ValueError, FileNotFoundError, ImportError, CheckpointError) as e:
-        # Every rank checks the same input and exits with the same line, before any collective: each
-        # rank's log says why it stopped (the project's rule for bad input).
-        sys.stderr.write(f"error: {e}\n")  # one write: two ranks' lines never run together
-        sys.stderr.flush()
-        sys.exit(2)
+        # Every rank checks the same input before any collective: rank 0 says it (a rank whose own machine
+        # differs, too), so the launch reports one line per problem, not one per rank.
+        sys.exit(report_bad_input(e))
 
     # Past this point a failure is one "error: rank N: ..." line per rank (PARALLEL3D_DEBUG=1: the traceback).
     with errors_as_one_line():

@@ -196,6 +196,7 @@ SCRIPT_CASES = [
     (["--eval-iters", "-1"], "--eval-iters must be >= 0, got -1"),
     (["--train-iters", "10", "--lr-warmup-iters", "20"], "--lr-warmup-iters (20) must be < --lr-decay-iters (10"),
     (["--sample-tokens", "-1"], "--sample-tokens must be >= 0, got -1"),
+    (["--hidden-size", "65536", "--num-attention-heads", "64"], "GiB per process by the planner's estimate"),
     (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "TOKENIZER"], "cannot read tokenizer file "),
 ]
 
@@ -228,5 +229,6 @@ def test_every_rank_prints_the_schedule_error_once_and_no_traceback(tmp_path):
     assert proc.returncode != 0
     # torchrun prints its own launcher traceback (ChildFailedError); the workers print none
     assert 'pretrain_gpt.py", line' not in proc.stderr and "lr_warmup_steps" not in proc.stderr, proc.stderr[-3000:]
-    # one line per rank (each rank's log says why it stopped), no traceback
-    assert proc.stderr.count("error: --lr-warmup-iters (20) must be < --lr-decay-iters (10") == 2, proc.stderr[-3000:]
+    # issue 30 item 7: one line for the launch (rank 0), not one per rank; torchrun lists one failed process
+    assert proc.stderr.count("error: --lr-warmup-iters (20) must be < --lr-decay-iters (10") == 1, proc.stderr[-3000:]
+    assert "<NO_OTHER_FAILURES>" in proc.stderr and "exitcode  : 2" in proc.stderr

@@ -23,7 +23,9 @@ from parallel3d.models.generation import check_generation_args, generate, sample
 from parallel3d.testing import run_distributed
 
 from hf_checkpoints import LAYOUTS, NEW_TOKENS, PROMPT, ROOT, _hf_class, _hf_logprobs
+from parallel3d.data import build_tokenizer
 from parallel3d.tools import generate as generate_tool
+from test_megatron_flags import gpt2_files  # noqa: F401 - a fixture: GPT-2 BPE files
 from parallel3d.tools.convert_checkpoint import convert
 
 
@@ -163,8 +165,8 @@ def _generate_cli_error(argv, world_size, monkeypatch) -> str:
 def test_generate_cli_errors(checkpoints, tmp_path, monkeypatch):
     load = ["--load", checkpoints["gpt2"]["tp2pp2"], "--output-json", str(tmp_path / "o.json")]
     for argv, world, message in (
-        (["--prompt-ids", "1,2", "--max-new-tokens", "2"], 1,
-         r"world size \(1\) must equal the checkpoint's TP \(2\) x PP \(2\) = 4"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "2"], 2,
+         r"world size \(2\) must be the checkpoint's TP \(2\) x PP \(2\) = 4, or 1"),
         (["--prompt-ids", "1,2", "--max-new-tokens", "2", "--greedy", "--temperature", "0.7"], 4,
          "--greedy excludes --temperature"),
         (["--prompt", "hello", "--max-new-tokens", "2"], 4, "--prompt needs --tokenizer-type"),
@@ -176,6 +178,31 @@ def test_generate_cli_errors(checkpoints, tmp_path, monkeypatch):
         assert text.startswith("error: ") and re.search(message, text), (argv, text)
     assert "holds no checkpoint" in _generate_cli_error(
         ["--load", str(tmp_path), "--prompt-ids", "1", "--score-only", "--output-json", "x"], 1, monkeypatch)
+
+
+def test_generate_in_one_process_from_any_layout_without_output_json(checkpoints, hf, monkeypatch, capsys):
+    """Issue 30 item 9: generate.py needed exactly TP x PP processes and --output-json."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    tokens, logprobs = hf["gpt2"][2], hf["gpt2"][3]
+    result = generate_tool.main(["--load", checkpoints["gpt2"]["tp2pp2"], "--prompt-ids", ",".join(map(str, tokens)),
+                                 "--score-only"])
+    printed = capsys.readouterr()
+    assert "resharding" in printed.err and json.loads(printed.out) == result  # one JSON line on stdout
+    assert result["tokens"] == tokens and max(abs(a - b) for a, b in zip(result["logprobs"], logprobs)) < 1e-4
+
+
+def test_generate_takes_the_checkpoints_tokenizer_and_returns_text(tmp_path, monkeypatch, capsys):
+    import gpt_harness as training
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    args = training.layout_args("gpt2", iters=2, extra=["--tokenizer-type", "byte"])
+    args.save = str(tmp_path / "ckpt")
+    training.train(args)
+    result = generate_tool.main(["--load", args.save, "--prompt", "hi", "--max-new-tokens", "3"])
+    assert result["tokens"][:2] == list(b"hi") and len(result["tokens"]) == 5
+    assert result["text"].startswith("hi") and json.loads(capsys.readouterr().out)["text"] == result["text"]
 
 
 # ------------------------------------------------------------------------------------ training -> HF
@@ -222,3 +249,32 @@ def test_pretrain_gpt_sample_prompt_uses_the_generation_library(tmp_path):
     outs = run_distributed(_pretrain_with_sample, 2, args=(argv,), timeout=240,
                            env={"WORLD_SIZE": "2", "PARALLEL3D_CACHE": str(tmp_path)})
     assert "sample (greedy, 20 tokens):\ndef f" in outs[1], outs[1][-2000:]
+
+
+def test_hf_export_carries_the_trained_tokenizer_and_its_eos(tmp_path, capsys, gpt2_files):
+    """Issue 30 item 9: the export had no tokenizer files and `eos_token_id: null`."""
+    pytest.importorskip("tokenizers")
+    import gpt_harness as training
+
+    vocab_file, merge_file, vocab = gpt2_files
+    args = training.layout_args("gpt2", iters=2, extra=["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+                                                        vocab_file, "--merge-file", merge_file])
+    args.save = str(tmp_path / "ckpt")
+    training.train(args)
+    convert("parallel3d", "hf", args.save, str(tmp_path / "hf"))
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    assert config["eos_token_id"] == config["bos_token_id"] == vocab["<|endoftext|>"]
+    assert open(tmp_path / "hf" / "vocab.json").read() == open(vocab_file).read()
+    from transformers import AutoTokenizer
+
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert theirs("hello world")["input_ids"] == ours.tokenize("hello world")
+
+    args = training.layout_args("gpt2", iters=2, extra=["--tokenizer-type", "byte"])
+    args.save = str(tmp_path / "byte")
+    training.train(args)
+    capsys.readouterr()
+    convert("parallel3d", "hf", args.save, str(tmp_path / "hf_byte"))
+    assert json.load(open(tmp_path / "hf_byte" / "config.json"))["eos_token_id"] == build_tokenizer("byte").eod
+    assert "note: no tokenizer files in the export: the byte tokenizer has no Hugging Face" in capsys.readouterr().err

@@ -2,8 +2,10 @@
 first launch with a missing --load, --finetune, the LR schedule on resume, --no-save-optim, --use-checkpoint-args,
 --exit-duration-in-mins, wandb, progress bars, the loss plot, --log-json record types, no deprecation warnings,
 and examples/pretrain_gpt.py without torchrun."""
+import importlib.util
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -138,7 +140,7 @@ def test_wandb_missing_is_refused_with_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
     with pytest.raises(ImportError, match="pip install wandb"):
-        megatron_runtime.check_wandb_available(_logger_args(wandb_project="p3d"))
+        megatron_runtime.check_logging_available(_logger_args(wandb_project="p3d"))
 
 
 class _Terminal(io.StringIO):
@@ -208,3 +210,67 @@ def test_tensor_parallel_collectives_emit_no_deprecation_warnings():
     """torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor (a FutureWarning per call)."""
     for found in run_distributed(_tp_collectives_warnings, 2, timeout=120):
         assert found == [], found
+
+
+def test_tensorboard_gets_megatrons_tag_names(monkeypatch):
+    """Issue 30 item 6: the tags were the log-json keys ("loss", "lr"); Megatron's dashboards read "lm loss",
+    "learning-rate", "lm loss validation", ... and their "vs samples" twins."""
+    scalars = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            scalars.append(("dir", log_dir, None))
+
+        def add_scalar(self, tag, value, step):
+            scalars.append((tag, value, step))
+
+        def close(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    from parallel3d.training import TrainingLogger
+
+    args = _logger_args(tensorboard_dir="tb")
+    logger = TrainingLogger(args)
+    logger.record({"lm loss": 2.0}, False)
+    logger.log(2, 1e-3, 0.5, None, consumed_samples=64)
+    logger.log_eval(2, {"lm loss": 1.5}, consumed_samples=64)
+    logger.close()
+    got = {tag: (value, step) for tag, value, step in scalars}
+    assert got["dir"] == ("tb", None)
+    assert got["lm loss"] == (2.0, 2) and got["lm loss vs samples"] == (2.0, 64)
+    assert got["learning-rate"] == (1e-3, 2) and got["grad-norm"] == (0.5, 2)
+    assert got["batch-size"] == (args.global_batch_size, 2)
+    assert got["lm loss validation"] == (1.5, 2) and got["lm loss validation vs samples"] == (1.5, 64)
+    assert abs(got["lm loss validation ppl"][0] - math.exp(1.5)) < 1e-9
+    assert "loss" not in got and "lr" not in got and "loss-scale" not in got  # fp32: no loss scale
+
+
+def test_tensorboard_missing_is_refused_before_training(monkeypatch):
+    """Issue 30 item 6: --tensorboard-dir without tensorboard printed a line and trained without the logs."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ImportError, match=r"--tensorboard-dir needs the tensorboard package: pip install tensorboard"):
+        megatron_runtime.check_logging_available(_logger_args(tensorboard_dir="tb"))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # a library caller of pretrain: refused too
+    from parallel3d.training import TrainingLogger
+    with pytest.raises(ImportError, match="--tensorboard-dir needs the tensorboard package"):
+        TrainingLogger(_logger_args(tensorboard_dir="tb"))
+
+
+def test_the_log_starts_at_iteration_1_and_rates_no_gpu_on_cpu(tmp_path, capsys):
+    """Issue 30 item 12: the demo's curve began at iteration 25, and CPU logs said `0.0 TFLOP/s/GPU`."""
+    from gpt_harness import layout_args, train
+
+    args = layout_args("gpt2", iters=6, extra=["--log-interval", "5", "--log-json", str(tmp_path / "log.jsonl")])
+    train(args)
+    records = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
+    assert [r["iteration"] for r in records] == [1, 5, 6]
+    from parallel3d.training import TrainingLogger
+
+    logger = TrainingLogger(_logger_args())
+    logger.record({"lm loss": 2.0}, False)
+    logger.log(2, 1e-3, 1.0, None)
+    logger.close()
+    line = capsys.readouterr().out
+    assert "iteration      2/4" in line and "TFLOP/s" not in line and "tokens/s | mem" in line

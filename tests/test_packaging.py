@@ -79,7 +79,7 @@ def test_nothing_imports_the_bare_models_or_tools_name():
 def test_console_scripts_resolve():
     scripts = PYPROJECT["project"]["scripts"]
     assert {"parallel3d-preprocess-data", "parallel3d-convert-checkpoint", "parallel3d-generate",
-            "parallel3d-verify-checkpoint", "parallel3d-plot-log"} <= set(scripts)
+            "parallel3d-verify-checkpoint", "parallel3d-plot-log", "parallel3d-plan"} <= set(scripts)
     for target in scripts.values():
         module, func = target.split(":")
         assert callable(getattr(importlib.import_module(module), func)), target
@@ -239,3 +239,116 @@ def test_compile_check_is_an_error_when_nvcc_exists_but_torch_does_not(tmp_path)
     fake.chmod(0o755)
     proc = _compile_check(tmp_path, {"good.cu": ""}, python=str(fake))
     assert proc.returncode == 1 and "cannot import torch" in proc.stdout
+
+
+_ENSURE = """import json, sys
+sys.path.insert(0, sys.argv[1])
+from parallel3d import bootstrap
+ran = []
+bootstrap._run = lambda cmd, quiet=False: ran.append(cmd) or True  # pip: recorded, not run
+bootstrap.ensure_venv([], sys.argv[2])
+print(json.dumps(ran))
+"""
+
+
+def _ensure_from(python, root, env=None):
+    out = subprocess.run([python, "-c", _ENSURE, ROOT, root], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, **(env or {})))
+    assert out.returncode == 0, out.stderr
+    import json
+    return json.loads(out.stdout)
+
+
+def _checkout(tmp_path):
+    root = tmp_path / "checkout"
+    root.mkdir()
+    for name in ("pyproject.toml", "setup.py"):
+        shutil.copy(os.path.join(ROOT, name), root / name)
+    return str(root)
+
+
+def test_venv_from_a_virtual_env_reuses_its_torch(tmp_path):
+    """Issue 30 item 1: from a venv with torch, .venv saw only the base interpreter and installed a second torch."""
+    outer = tmp_path / "myenv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(outer)], check=True, timeout=120)
+    (packages,) = (outer / "lib").glob("python*/site-packages")
+    (packages / "torch").mkdir()
+    (packages / "torch" / "__init__.py").write_text("__version__ = '9.9.9+outer'\n")
+    root = _checkout(tmp_path)
+    ran = _ensure_from(str(outer / "bin" / "python"), root, {"CONDA_PREFIX": ""})
+    assert len(ran) == 1 and ran[0][-2:] == ["-e", root], ran  # only parallel3d, no torch install
+    seen = subprocess.run([bootstrap.venv_python(root), "-c", "import torch; print(torch.__version__, torch.__file__)"],
+                          capture_output=True, text=True, timeout=60).stdout.split()
+    assert seen == ["9.9.9+outer", str(packages / "torch" / "__init__.py")]
+    # the same .venv run from the base Python again: the outer env is no longer linked
+    base = os.path.join(sys.base_prefix, "bin", "python3")
+    _ensure_from(base, root, {"CONDA_PREFIX": ""})
+    assert not list(tmp_path.glob("checkout/.venv/lib/python*/site-packages/" + bootstrap._OUTER_PTH))
+
+
+def test_venv_from_a_system_python_links_nothing_more(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "prefix", sys.base_prefix)
+    monkeypatch.setenv("CONDA_PREFIX", "")
+    assert bootstrap.outer_site_packages(str(tmp_path)) == []  # --system-site-packages already shows them
+    monkeypatch.setenv("CONDA_PREFIX", sys.base_prefix)  # a conda env's python is its own base
+    import site
+    assert bootstrap.outer_site_packages(str(tmp_path)) == [d for d in site.getsitepackages() if os.path.isdir(d)]
+
+
+def test_torchrun_workers_of_the_tests_import_this_checkout(tmp_path):
+    """Issue 30 item 13: tests/gpu's workers died with `No module named 'parallel3d'` in a checkout not installed."""
+    import torchrun
+
+    script = tmp_path / "worker.py"  # outside the checkout, as tests/gpu/parity_worker.py is outside its root
+    script.write_text("import parallel3d\nprint('imported', parallel3d.__file__)\n")
+    result = torchrun.run(1, [str(script)], timeout=120, env={"PYTHONPATH": ""})
+    assert result.returncode == 0, result.output[-3000:]
+    assert f"imported {os.path.join(ROOT, 'parallel3d', '__init__.py')}" in result.output
+
+
+SCRIPTS = ["tools/preprocess_data.py", "tools/convert_checkpoint.py", "tools/generate.py", "tools/plan.py",
+           "tools/verify_checkpoint.py", "examples/pretrain_gpt.py", "examples/custom_model_tp.py"]
+
+
+def _bare_python(script, argv, env=None, cwd=None):
+    """``script`` run by this interpreter without its site-packages (-S): a Python without torch & co."""
+    full = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    return subprocess.run([sys.executable, "-S", script, *argv], capture_output=True, text=True, timeout=60,
+                          env=dict(full, **(env or {})), cwd=cwd)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_rerun_inside_the_venv_from_a_python_without_torch(tmp_path, script):
+    """Issue 30 item 3: `python3 tools/x.py` ended in `No module named 'torch'` where the demo re-runs in .venv."""
+    root = _checkout(tmp_path)
+    for name in ("parallel3d/__init__.py", "parallel3d/bootstrap.py", script):
+        os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), os.path.join(root, name))
+    py = bootstrap.venv_python(root)  # a set-up .venv whose python shows how it was called
+    os.makedirs(os.path.dirname(py))
+    with open(py, "w") as f:
+        f.write('#!/bin/sh\necho "in .venv: $@"\n')
+    os.chmod(py, 0o755)
+    with open(os.path.join(bootstrap.venv_dir(root), bootstrap._STAMP), "w") as f:
+        f.write(bootstrap.stamp_text([], root))
+    out = _bare_python(os.path.join(root, script), ["--help", "x y"], {"CONDA_PREFIX": ""})
+    assert out.returncode == 0 and out.stdout == f"in .venv: {os.path.join(root, script)} --help x y\n", out.stderr
+    # under torchrun no worker sets up .venv: local rank 0 names the install command, the others just stop
+    for rank, said in (("0", "lacks torch, safetensors, numpy, tqdm; install them with: "), ("1", "")):
+        out = _bare_python(os.path.join(root, script), [], {"LOCAL_RANK": rank})
+        assert out.returncode == 1 and said in out.stderr and (said or not out.stderr), out.stderr
+
+
+def test_no_venv_without_the_dependencies_names_the_install_command():
+    """Issue 30 item 11: PARALLEL3D_NO_VENV=1 failed after 24 s on every rank with `No module named 'safetensors'`."""
+    out = _bare_python(os.path.join(ROOT, "examples", "demo.py"), ["--train-iters", "2"],
+                       {"PARALLEL3D_NO_VENV": "1"})
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == (f"parallel3d: PARALLEL3D_NO_VENV=1 uses the running Python as it is, and this Python "
+                          f"({sys.executable}) lacks torch, safetensors, numpy, tqdm; install them with: "
+                          f"{sys.executable} -m pip install -e {ROOT}\n")
+
+
+def test_required_modules_are_the_projects_dependencies():
+    names = [d.split(">")[0].split("=")[0].split("<")[0].strip() for d in PYPROJECT["project"]["dependencies"]]
+    assert list(bootstrap.REQUIRED_MODULES) == names

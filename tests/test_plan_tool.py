@@ -64,3 +64,30 @@ def test_unknown_cluster_is_one_clear_line(capsys):
     assert plan.main(GPT + ["--global-batch-size", "32", "--cluster", "tpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown cluster 'tpu'" in err[0]
+
+
+# A Megatron-LM pretrain command line as pasted from a launch script (issue 30 item 8).
+PRETRAIN = GPT + ["--max-position-embeddings", "2048", "--attention-backend", "auto", "--train-iters", "500",
+                  "--fp16", "--lr", "6e-5", "--lr-warmup-fraction", ".001", "--save", "ckpt", "--load", "ckpt",
+                  "--data-path", "my_text_document", "--split", "949,50,1", "--global-batch-size", "32",
+                  "--micro-batch-size", "4", "--pipeline-model-parallel-size", "2",
+                  "--virtual-pipeline-model-parallel-size", "2", "--num-gpus", "2", "--json"]
+
+
+def test_a_pasted_pretrain_command_line_is_planned(capsys):
+    assert plan.main(PRETRAIN) == 0
+    (d,) = json.loads(capsys.readouterr().out)["layouts"]
+    assert (d["pipeline_model_parallel_size"], d["virtual_pipeline_model_parallel_size"]) == (2, 2)
+    plain = [a for a in PRETRAIN if a not in ("--fp16",)]
+    for cut in ("--train-iters", "--lr", "--lr-warmup-fraction", "--save", "--load", "--data-path", "--split"):
+        i = plain.index(cut)
+        plain = plain[:i] + plain[i + 2:]
+    assert plan.main(plain) == 0  # the training-only flags change nothing
+    assert json.loads(capsys.readouterr().out)["layouts"] == [d]
+
+
+def test_a_typo_among_pretrain_flags_is_still_refused():
+    r = subprocess.run([sys.executable, "tools/plan.py"] + PRETRAIN + ["--trian-iters", "5"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2 and "unrecognized arguments: --trian-iters 5" in r.stderr
+

@@ -152,3 +152,33 @@ def test_preprocess_with_huggingface_tokenizer(tmp_path):
     ds = IndexedDataset(out + "_text_document")
     assert ds.dtype is np.uint16
     assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 4], [3, 3, 1, 4], [0, 4]]
+
+
+@pytest.mark.parametrize("flag,alternative", [
+    (["--split-sentences"], "--split-sentences is not supported: documents are not split into sentences"),
+    (["--partitions", "4"], "--partitions is not supported: the input is read as one file"),
+    (["--lang", "english"], "--lang is not supported"),
+])
+def test_megatrons_preprocessing_flags_are_refused_naming_the_alternative(tmp_path, flag, alternative):
+    """Issue 30 item 10: a bare "unrecognized arguments" before."""
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": "a"}])
+    with pytest.raises(ValueError, match=alternative):
+        preprocess_data.main(["--input", src, "--output-prefix", str(tmp_path / "o")] + flag)
+
+
+def test_megatrons_flags_that_are_so_already_are_accepted(tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": "a\nb"}, {"text": "c"}])
+    prefix = preprocess_data.main(["--input", src, "--output-prefix", str(tmp_path / "o"),
+                                   "--keep-sequential-samples", "--keep-newlines"])["text"]
+    ds = IndexedDataset(prefix)
+    assert [ds[i].tolist() for i in range(2)] == [[97, 10, 98], [99]]
+
+
+def test_a_missing_merge_file_is_named_not_none(tmp_path):
+    """Issue 30 item 10: `--merge-file None is not a file`."""
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text("{}")
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": "a"}])
+    with pytest.raises(FileNotFoundError, match=r"GPT2BPETokenizer needs --merge-file \(GPT-2's merges.txt"):
+        preprocess_data.main(["--input", src, "--output-prefix", str(tmp_path / "o"),
+                              "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(vocab)])

@@ -7,6 +7,7 @@ every worker) at ``timeout``, so a hung job fails the test in bounded time and l
 ``start(...)`` launches without waiting (output to ``out.txt``/``err.txt``) for tests that act on a
 running job: ``workers`` finds its worker processes by rank, ``wait_for`` a line, ``alive`` a pid,
 and ``cleanup`` (in a ``finally``) kills everything started, SIGSTOPped workers included.
+The workers import parallel3d from the checkout the tests run from (``checkout_env``), installed or not.
 """
 import dataclasses
 import os
@@ -36,9 +37,15 @@ class Launch:
         return self.exited_at - times[-1]
 
 
+def checkout_env(env: dict) -> dict:
+    """``env`` with this checkout first on PYTHONPATH: a worker script (tests/gpu/parity_worker.py) is not
+    started from the checkout's root, so without it a plain checkout's workers cannot import parallel3d."""
+    return dict(env, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p]))
+
+
 def run(nproc: int, argv: list, timeout: float, env: dict | None = None) -> Launch:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] + list(argv)
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = checkout_env(dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {})))
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -63,8 +70,8 @@ def run(nproc: int, argv: list, timeout: float, env: dict | None = None) -> Laun
 def start(nproc: int, script: str, argv: list, tmp_path, extra_env: dict | None = None,
           launcher_args: tuple = ("--standalone",), name: str = "") -> subprocess.Popen:
     """torchrun ``script argv`` in ``tmp_path`` (PARALLEL3D_CACHE there), stdout/stderr to ``{name}out.txt``/``err``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PARALLEL3D_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    env.update(extra_env or {})
+    env = checkout_env(dict(os.environ, OMP_NUM_THREADS="1", PARALLEL3D_CACHE=str(tmp_path / "cache"),
+                            PYTHONUNBUFFERED="1", **(extra_env or {})))
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, f"--nproc-per-node={nproc}", script, *argv]
     return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=open(tmp_path / f"{name}out.txt", "w"),
                             stderr=open(tmp_path / f"{name}err.txt", "w"), start_new_session=True)

@@ -45,6 +45,8 @@ from typing import Callable, Optional, Sequence
 if __package__ in (None, ""):
     # run as a script: make the repo importable without installing it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from parallel3d.bootstrap import reexec_unless_ready  # noqa: E402
+    reexec_unless_ready(__file__)  # this Python lacks torch & co: run inside .venv, as the demo does
 
 import torch  # noqa: E402
 
@@ -168,7 +170,7 @@ def convert(loader: str, saver: str, load_dir: str, save_dir: str, *, target_ten
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise become --save-dir's mode
         if saver == "hf":
-            target = HfSaver(tmp, config, source.extra.get("hf_config"))
+            target = HfSaver(tmp, config, source.extra.get("hf_config"), getattr(source, "args", None))
         elif saver == "megatron":
             target = MegatronSaver(ckpt_format or "torch", tmp, config, source.iteration, known_args(source))
         else:

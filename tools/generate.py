@@ -9,24 +9,29 @@
     ... --prompt-ids 5,6,7,8 --score-only --output-json scores.json
 
 The TP / PP / virtual PP layout is read from the checkpoint; the world size must be
-TP x PP (generation runs one model replica, DP = 1; convert the checkpoint with
-tools/convert_checkpoint.py for another layout). Sequence parallelism is off here (the
-model is built for inference). OUT.json holds ``{"tokens": prompt + generated ids,
-"logprobs": log p(token i+1 | tokens up to i)}`` (fp32, full real vocabulary); with a
-tokenizer the decoded text is printed too. A single process (no torchrun) works for
-TP = PP = 1 checkpoints.
+TP x PP (generation runs one model replica, DP = 1), or 1: a single process (no torchrun)
+loads a checkpoint of any layout, resharded to TP = PP = 1 in a temporary directory by
+tools/convert_checkpoint.py's code. Sequence parallelism is off here (the model is built for
+inference). The result is ``{"tokens": prompt + generated ids, "logprobs": log p(token i+1 |
+tokens up to i)}`` (fp32, full real vocabulary) and, with a tokenizer, ``"text"``: written to
+--output-json, else printed as one JSON line. Without --tokenizer-type the tokenizer the
+checkpoint was trained with (its recorded arguments) is used, where its files are still there.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import sys
+import tempfile
 from typing import Any, Optional, Sequence
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from parallel3d.bootstrap import reexec_unless_ready  # noqa: E402
+    reexec_unless_ready(__file__)  # this Python lacks torch & co: run inside .venv, as the demo does
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -50,6 +55,7 @@ from parallel3d.training.checkpoint_layers import saved_split, stage_order  # no
 from parallel3d.training.training_guards import errors_as_one_line  # noqa: E402
 from parallel3d.tools.checkpoint.parallel3d_format import config_from_metadata  # noqa: E402
 from parallel3d.tools.checkpoint.schema import ConversionError  # noqa: E402
+from parallel3d.tools.convert_checkpoint import convert  # noqa: E402
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -70,7 +76,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (0 = off)")
     p.add_argument("--seed", type=int, default=1234, help="sampling seed")
     p.add_argument("--score-only", action="store_true", help="generate nothing: log-probabilities of the prompt")
-    p.add_argument("--output-json", required=True)
+    p.add_argument("--output-json", default=None, help="write the result here (default: print it as one JSON line)")
     return p.parse_args(argv)
 
 
@@ -130,10 +136,13 @@ def _prepare(args: argparse.Namespace, world_size: int) -> tuple[Any, list[int],
         raise ValueError(f"--greedy excludes {', '.join('--' + n.replace('_', '-') for n in sampling_given)}")
     sampling = dict(greedy=not sampling_given, temperature=1.0 if args.temperature is None else args.temperature,
                     top_k=args.top_k or 0, top_p=args.top_p or 0.0)
-    if args.prompt is not None and args.tokenizer_type is None:
-        raise ValueError("--prompt needs --tokenizer-type (and --tokenizer-model for HuggingFaceTokenizer)")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_file=args.vocab_file,
-                                merge_file=args.merge_file) if args.tokenizer_type else None
+    if not os.path.isdir(args.load):
+        raise ValueError(f"--load directory {args.load!r} does not exist")
+    _, meta, config = read_checkpoint(args.load)
+    tokenizer = _tokenizer(args, meta.get("args") or {})
+    if args.prompt is not None and tokenizer is None:
+        raise ValueError("--prompt needs --tokenizer-type (and --tokenizer-model for HuggingFaceTokenizer): the "
+                         "checkpoint records no tokenizer whose files are there")
     if args.prompt is not None:
         prompt_ids = tokenizer.tokenize(args.prompt)
     else:
@@ -141,16 +150,25 @@ def _prepare(args: argparse.Namespace, world_size: int) -> tuple[Any, list[int],
             prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError as e:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from e
-    if not os.path.isdir(args.load):
-        raise ValueError(f"--load directory {args.load!r} does not exist")
-    _, _, config = read_checkpoint(args.load)
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
-    if world_size != tp * pp:
-        raise ValueError(f"world size ({world_size}) must equal the checkpoint's TP ({tp}) x PP ({pp}) = {tp * pp}: "
-                         f"generation runs one model replica (DP = 1); launch {tp * pp} processes or convert the "
-                         "checkpoint to another layout with tools/convert_checkpoint.py")
+    if world_size not in (1, tp * pp):
+        raise ValueError(f"world size ({world_size}) must be the checkpoint's TP ({tp}) x PP ({pp}) = {tp * pp}, or 1 "
+                         f"(the checkpoint resharded to one process): generation runs one model replica (DP = 1)")
+    args.reshard = world_size == 1 and tp * pp > 1
     check_generation_args(prompt_ids, 0 if args.score_only else args.max_new_tokens, config, **sampling)
     return tokenizer, prompt_ids, config, sampling
+
+
+def _tokenizer(args: argparse.Namespace, saved: dict[str, Any]):
+    """--tokenizer-type's, else the one the checkpoint was trained with where its files still exist, else None."""
+    if args.tokenizer_type:
+        return build_tokenizer(args.tokenizer_type, args.tokenizer_model, vocab_file=args.vocab_file,
+                               merge_file=args.merge_file)
+    files = [saved.get(k) for k in ("tokenizer_model", "vocab_file", "merge_file") if saved.get(k)]
+    if not saved.get("tokenizer_type") or not all(os.path.exists(f) for f in files):
+        return None
+    return build_tokenizer(saved["tokenizer_type"], saved.get("tokenizer_model"), vocab_file=saved.get("vocab_file"),
+                           merge_file=saved.get("merge_file"))
 
 
 def _initialize(config: TransformerConfig) -> torch.device:
@@ -183,20 +201,34 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 def _generate(args: argparse.Namespace, tokenizer, prompt_ids: list[int], config: TransformerConfig,
               sampling: dict) -> dict[str, Any]:
-    device = _initialize(config)
-    chunks, _ = load_model(args.load, device=device)
+    with tempfile.TemporaryDirectory(prefix="parallel3d-generate-") if args.reshard \
+            else contextlib.nullcontext() as tmp:
+        load = args.load
+        if tmp is not None:  # one process: this layout's shards resharded to TP = PP = 1
+            print(f"resharding {args.load} (TP {config.tensor_model_parallel_size} x PP "
+                  f"{config.pipeline_model_parallel_size}) to one process", file=sys.stderr, flush=True)
+            load = os.path.join(tmp, "ckpt")
+            convert("parallel3d", "parallel3d", args.load, load)
+            config = read_checkpoint(load)[2]
+        device = _initialize(config)
+        chunks, _ = load_model(load, device=device)
     max_new = 0 if args.score_only else args.max_new_tokens
     tokens, logprobs = generate(chunks, prompt_ids, max_new, seed=args.seed, **sampling)
     result = {"tokens": tokens, "logprobs": logprobs}
+    if tokenizer is not None:
+        result["text"] = tokenizer.detokenize(tokens)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        tmp = args.output_json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, args.output_json)
-        if tokenizer is not None:
-            print(tokenizer.detokenize(tokens), flush=True)
-        print(f"wrote {len(tokens)} tokens ({len(tokens) - len(prompt_ids)} generated) and {len(logprobs)} "
-              f"log-probabilities to {args.output_json}", flush=True)
+        if args.output_json is None:
+            print(json.dumps(result), flush=True)
+        else:
+            tmp_json = args.output_json + ".tmp"
+            with open(tmp_json, "w") as f:
+                json.dump(result, f)
+            os.replace(tmp_json, args.output_json)
+            if tokenizer is not None:
+                print(result["text"], flush=True)
+            print(f"wrote {len(tokens)} tokens ({len(tokens) - len(prompt_ids)} generated) and {len(logprobs)} "
+                  f"log-probabilities to {args.output_json}", flush=True)
     if dist.is_initialized():
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

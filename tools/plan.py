@@ -7,6 +7,9 @@ Search mode (no layout given) lists the fastest layouts that fit in memory; givi
 --tensor-model-parallel-size, --pipeline-model-parallel-size, --micro-batch-size, ... evaluates
 that layout.  --json prints machine-readable results.  The model is parallel3d.planning
 (docs/planning.md); --cluster-file takes the JSON that bench/calibrate_planner.py writes.
+
+A whole pretrain_gpt.py command line is accepted too: the training flags that do not change the
+plan (--train-iters, --lr, --save, ...) are checked as pretrain_gpt.py would and ignored.
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ import sys
 from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):
+    from parallel3d.bootstrap import reexec_unless_ready  # noqa: E402
+    reexec_unless_ready(__file__)  # this Python lacks torch & co: run inside .venv, as the demo does
 
 from parallel3d.training.megatron_args import ATTENTION_BACKENDS  # noqa: E402
 from parallel3d.pipeline.registry import SCHEDULE_NAMES, build_schedule  # noqa: E402
@@ -24,13 +30,34 @@ from parallel3d.pipeline.simulate import simulate  # noqa: E402
 from parallel3d.pipeline.visualize import text_timeline  # noqa: E402
 from parallel3d.planning import PRESETS, Layout, ModelSpec, StepEstimate, estimate, get_cluster, load_cluster  # noqa: E402
 from parallel3d.planning.search import search  # noqa: E402
+from parallel3d.training.arguments import build_parser as training_parser  # noqa: E402
 
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                 "micro_batch_size", "recompute_granularity", "pipeline_schedule")
 
 
+# pretrain_gpt.py's flags that change the step but that the planner does not model: said, not silently ignored.
+UNMODELLED = ("pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+              "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+
+
+def _training_flags(rest: list[str], p: argparse.ArgumentParser) -> None:
+    """Check the flags plan.py has no use for as pretrain_gpt.py's (a typo is still refused); note the
+    ones that would change the step without the planner knowing."""
+    training = training_parser()
+    training.add_argument("--sample-prompt")  # examples/pretrain_gpt.py's own two flags
+    training.add_argument("--sample-tokens")
+    known, unknown = training.parse_known_args(rest)
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    defaults = vars(training.parse_args([]))
+    unmodelled = [f"--{k.replace('_', '-')}" for k in UNMODELLED if getattr(known, k) != defaults[k]]
+    if unmodelled:
+        print(f"note: the plan splits the layers its own way; {', '.join(unmodelled)} not modelled", file=sys.stderr)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     g = p.add_argument_group("model (Megatron's names)")
     for name in ("num-layers", "hidden-size", "num-attention-heads", "seq-length"):
         g.add_argument(f"--{name}", type=int, required=True)
@@ -46,22 +73,31 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto")  # training's
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="learned position table (default: "
+                   "--seq-length)")
+    g.add_argument("--attention-backend", choices=sorted(ATTENTION_BACKENDS), default="auto",
+                   help="Megatron's values: unfused / local keep the softmax scores in memory, the others use SDPA")
+    g.add_argument("--group-query-attention", action="store_true", help="accepted: --num-query-groups says it")
     t = p.add_argument_group("training and layout")
     t.add_argument("--global-batch-size", type=int, required=True)
     t.add_argument("--micro-batch-size", type=int, default=None)
     t.add_argument("--tensor-model-parallel-size", type=int, default=None)
     t.add_argument("--pipeline-model-parallel-size", type=int, default=None)
     t.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    t.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="= --num-layers-per-virtual-pipeline-stage num-layers / (PP x this)")
+    t.add_argument("--pipeline-split", choices=["balanced", "even"], default="balanced")
     t.add_argument("--pipeline-schedule", choices=SCHEDULE_NAMES, default=None,
                    help="as pretrain_gpt.py's (default: 1f1b, interleaved-1f1b with virtual stages); the search "
                         "tries every schedule when none is given")
     t.add_argument("--recompute-granularity", choices=["none", "selective", "full"], default=None)
+    t.add_argument("--recompute-activations", action="store_true", help="= --recompute-granularity selective")
     t.add_argument("--sequence-parallel", action="store_true")
     t.add_argument("--use-distributed-optimizer", action="store_true")
     t.add_argument("--overlap-grad-reduce", action="store_true")
     t.add_argument("--bf16", action="store_true", default=True, help="bf16 params, fp32 grads/masters (default)")
     t.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 everything")
+    t.add_argument("--fp16", dest="bf16", action="store_true", help="as --bf16: the same bytes per value")
     t.add_argument("--num-gpus", type=int, default=None, help="default: the whole cluster")
     c = p.add_argument_group("cluster and output")
     c.add_argument("--cluster", default=None, help=f"preset: {', '.join(sorted(PRESETS))}")
@@ -69,9 +105,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     c.add_argument("--top", type=int, default=5)
     c.add_argument("--json", action="store_true")
     c.add_argument("--timeline", action="store_true", help="draw the timeline even for PP > 16")
-    args = p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    if rest:
+        _training_flags(rest, p)
     if args.cluster and args.cluster_file:
         p.error("give --cluster or --cluster-file, not both")
+    args.attention_backend = ATTENTION_BACKENDS[args.attention_backend]  # the model config's name
+    if args.recompute_activations and args.recompute_granularity is None:
+        args.recompute_granularity = "selective"
+    vp = args.virtual_pipeline_model_parallel_size
+    if vp and vp > 1:
+        stages = (args.pipeline_model_parallel_size or 1) * vp
+        if args.num_layers_per_virtual_pipeline_stage is not None or args.num_layers % stages:
+            p.error(f"--virtual-pipeline-model-parallel-size {vp}: give it without --num-layers-per-virtual-"
+                    f"pipeline-stage, with --num-layers ({args.num_layers}) a multiple of PP x {vp}")
+        args.num_layers_per_virtual_pipeline_stage = args.num_layers // stages
     return args
 
 
@@ -84,7 +132,8 @@ def model_from(args: argparse.Namespace) -> ModelSpec:
         position_embedding_type=args.position_embedding_type,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, padded_vocab_size=args.padded_vocab_size,
-        hidden_dropout=args.hidden_dropout, attention_backend=ATTENTION_BACKENDS[args.attention_backend])
+        hidden_dropout=args.hidden_dropout, attention_backend=args.attention_backend,
+        max_position_embeddings=args.max_position_embeddings)
 
 
 def timeline(est: StepEstimate) -> str:
@@ -147,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         num_gpus = args.num_gpus or cluster.num_gpus
         rc = None if args.recompute_granularity in (None, "none") else args.recompute_granularity
         base = Layout(global_batch_size=args.global_batch_size, bf16=args.bf16,
-                      overlap_grad_reduce=args.overlap_grad_reduce)
+                      overlap_grad_reduce=args.overlap_grad_reduce, pipeline_split=args.pipeline_split)
         given = {k: getattr(args, k) for k in LAYOUT_FLAGS if getattr(args, k) is not None}
         if args.tensor_model_parallel_size or args.pipeline_model_parallel_size:  # evaluate mode
             tp, pp = args.tensor_model_parallel_size or 1, args.pipeline_model_parallel_size or 1

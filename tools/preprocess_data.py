@@ -22,6 +22,8 @@ import time
 if __package__ in (None, ""):
     # run as a script: make the repo importable without installing it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from parallel3d.bootstrap import reexec_unless_ready  # noqa: E402
+    reexec_unless_ready(__file__)  # this Python lacks torch & co: run inside .venv, as the demo does
 
 from parallel3d.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype, get_bin_path, get_idx_path
 from parallel3d.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
@@ -82,6 +84,22 @@ class Encoder:
         return lineno, None, ids, nbytes
 
 
+# Megatron's preprocess_data.py flags with no meaning here: refused, each naming what to do instead.
+REFUSED = {
+    "--split-sentences": "documents are not split into sentences (Megatron needs nltk for it); each json line is "
+                         "one document: split the text before writing the jsonl if you need sentences",
+    "--lang": "it chooses the language of --split-sentences, which is not supported",
+    "--partitions": "the input is read as one file, tokenized by --workers processes; to partition, split the "
+                    "jsonl yourself and run once per part",
+    "--vocab-size": "it sizes Megatron's NullTokenizer, which is not supported: use --tokenizer-type byte",
+}
+# Megatron's flags whose meaning is what happens here anyway: accepted.
+ALREADY_SO = {
+    "--keep-sequential-samples": "the documents keep the input's order (there are no partitions to merge)",
+    "--keep-newlines": "the text is tokenized as it is, newlines included",
+}
+
+
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group("input data")
@@ -98,7 +116,16 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     group.add_argument("--log-interval", type=int, default=1000, help="report progress every this many lines")
+    group = parser.add_argument_group("Megatron-LM flags")
+    for flag, why in ALREADY_SO.items():
+        group.add_argument(flag, action="store_true", help=f"accepted: {why}")
+    for flag, why in REFUSED.items():
+        group.add_argument(flag, nargs="*", default=None, help=f"refused: {why}")
     args = parser.parse_args(argv)
+    refused = [f"{flag} is not supported: {why}" for flag, why in REFUSED.items()
+               if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if refused:
+        raise ValueError("; ".join(refused))
 
     if not os.path.isfile(args.input):
         raise FileNotFoundError(f"--input {args.input} does not exist")

@@ -11,10 +11,13 @@ class GPT2BPETokenizer:
     """``tokenize`` / ``detokenize`` / ``vocab_size`` / ``eod`` (``<|endoftext|>``), as Megatron's."""
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
-        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-            if not path or not os.path.isfile(path):
-                raise FileNotFoundError(f"GPT2BPETokenizer: {flag} {path!r} is not a file (GPT-2's vocab.json / "
-                                        "merges.txt; nothing is downloaded)")
+        for flag, path, name in (("--vocab-file", vocab_file, "vocab.json"),
+                                 ("--merge-file", merge_file, "merges.txt")):
+            if not path:
+                raise FileNotFoundError(f"GPT2BPETokenizer needs {flag} (GPT-2's {name}; nothing is downloaded)")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"GPT2BPETokenizer: {flag} {path!r} is not a file (GPT-2's {name}; nothing "
+                                        "is downloaded)")
         try:
             from tokenizers import Tokenizer, decoders, models, pre_tokenizers
         except ImportError:

@@ -5,16 +5,25 @@ Megatron-LM's (``--tensor-model-parallel-size``, ``--micro-batch-size``, ...), s
 launch scripts move over unchanged. ``validate_args(args, world_size)`` derives
 the data-parallel size and the number of microbatches and rejects layouts that
 cannot exist, with the numbers in the message. Every rank runs the same checks
-on the same input, so every rank exits with the same message.
+on the same input; ``argument_rules.report_bad_input`` prints them once, from rank 0.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import sys
+import functools
 from typing import Any, Callable, Optional, Sequence
 
+from parallel3d.training.argument_rules import (  # noqa: F401 - ArgumentError is this module's API too
+    ArgumentError,
+    environment_problems,
+    ineffective_flags,
+    notice as _notice,
+    check_optimizer_and_schedule,
+    raise_problems,
+    range_problems,
+    refused_combinations,
+    report_bad_input,
+)
 from parallel3d.training.arguments_help import add_help
 from parallel3d.training.megatron_args import (
     ATTENTION_BACKENDS,
@@ -22,6 +31,7 @@ from parallel3d.training.megatron_args import (
     MegatronFlagError,
     add_megatron_args,
     check_megatron_args,
+    check_refusals,
 )
 from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size
 from parallel3d.pipeline.forward_backward import default_schedule_name
@@ -184,10 +194,15 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress-bar", action="store_true")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        """One line, once per launch (argparse's would print the whole usage, on every rank)."""
+        self.exit(report_bad_input(ArgumentError(f"{message} (--help lists the options)")))
+
+
 def build_parser(extra_args_provider: Optional[Callable[[argparse.ArgumentParser], None]] = None
                  ) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="parallel3d training (Megatron-LM argument names)",
-                                allow_abbrev=False)
+    p = _Parser(description="parallel3d training (Megatron-LM argument names)", allow_abbrev=False)
     _add_model_args(p)
     _add_parallel_args(p)
     _add_training_args(p)
@@ -200,6 +215,12 @@ def build_parser(extra_args_provider: Optional[Callable[[argparse.ArgumentParser
     return p
 
 
+@functools.lru_cache(maxsize=1)
+def _parser_defaults() -> dict:
+    """Every core option's default, to tell the flags a command line gave (ineffective_flags)."""
+    return vars(build_parser().parse_args([]))
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[dict] = None,
                extra_args_provider: Optional[Callable[[argparse.ArgumentParser], None]] = None
                ) -> argparse.Namespace:
@@ -207,14 +228,6 @@ def parse_args(argv: Optional[Sequence[str]] = None, defaults: Optional[dict] = 
     if defaults:
         parser.set_defaults(**defaults)
     return parser.parse_args(argv)
-
-
-class ArgumentError(ValueError):
-    pass
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _check_pipeline_schedule(name: Optional[str], pp: int, vp: Optional[int]) -> Optional[int]:
@@ -238,80 +251,6 @@ def _check_pipeline_schedule(name: Optional[str], pp: int, vp: Optional[int]) ->
     return vp
 
 
-# Range rules per flag: (flags, test, what the value must be). Optional flags (default None) are only
-# checked when given. Checked first, so later arithmetic (modulo, division) never sees a zero.
-_RANGES: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...] = (
-    (("micro_batch_size", "global_batch_size", "train_iters", "num_layers", "hidden_size", "num_attention_heads",
-      "seq_length", "make_vocab_size_divisible_by", "log_interval", "eval_interval", "lr_decay_iters",
-      "ffn_hidden_size", "kv_channels", "num_query_groups", "max_position_embeddings", "recompute_num_layers",
-      "num_layers_per_virtual_pipeline_stage", "virtual_pipeline_model_parallel_size",
-      "microbatch_group_size_per_vp_stage", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-      "ddp_bucket_size", "exit_interval", "save_interval", "lr_wsd_decay_iters", "vocab_size", "train_samples",
-      "lr_decay_samples", "lr_wsd_decay_samples"),
-     lambda v: v >= 1, ">= 1"),
-    (("lr", "min_lr", "lr_warmup_iters", "weight_decay", "sgd_momentum", "num_workers", "eval_iters",
-      "skip_nonfinite_iters", "max_consecutive_skipped_iters", "lr_warmup_samples"),
-     lambda v: v >= 0, ">= 0"),
-    (("clip_grad",), lambda v: v >= 0, ">= 0 (0 turns clipping off)"),
-    (("seed",), lambda v: 0 <= v < 2 ** 31, "in [0, 2**31) (numpy seeds the data order with it)"),
-    (("rotary_base", "norm_epsilon", "adam_eps", "init_method_std", "loss_scale", "peak_tflops",
-      "distributed_timeout_minutes"),
-     lambda v: v > 0, "> 0"),
-    (("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction"),
-     lambda v: 0 <= v < 1, "in [0, 1)"),
-    (("rotary_percent",), lambda v: 0 < v <= 1, "in (0, 1]"),
-)
-_SPLIT = re.compile(r"\s*\d*\.?\d+\s*([,/]\s*\d*\.?\d+\s*){0,2}")
-
-
-def _notice(message: str) -> None:
-    """A setting changed for the user: say so once (rank 0; torchrun sets RANK before any init)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"notice: {message}", file=sys.stderr, flush=True)
-
-
-def _check_ranges(args: argparse.Namespace) -> None:
-    for names, ok, need in _RANGES:
-        for name in names:
-            value = getattr(args, name, None)
-            if value is not None and not ok(value):
-                raise ArgumentError(f"{_flag(name)} must be {need}, got {value}")
-    if not _SPLIT.fullmatch(args.split) or not any(float(x) > 0 for x in re.split(r"[,/]", args.split)):
-        raise ArgumentError(f"--split {args.split!r} must be 1 to 3 non-negative weights (train,valid,test) with a "
-                            "positive sum, e.g. 969,30,1")
-
-
-def _check_optimizer_and_schedule(args: argparse.Namespace) -> None:
-    """The optimizer's and LR schedule's rules, in the flags' own units (iterations), before any work."""
-    if args.min_lr > args.lr:
-        raise ArgumentError(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
-    if args.loss_scale is not None and not (args.fp16 or args.bf16):
-        raise ArgumentError(f"--loss-scale ({args.loss_scale}) applies to --fp16 or --bf16 training only")
-    if args.fp16 and args.loss_scale is None:
-        if not 0 < args.min_loss_scale <= args.initial_loss_scale:
-            raise ArgumentError(f"--min-loss-scale ({args.min_loss_scale}) must be in (0, --initial-loss-scale "
-                                f"({args.initial_loss_scale})]")
-        for name in ("loss_scale_window", "hysteresis"):
-            if getattr(args, name) < 1:
-                raise ArgumentError(f"{_flag(name)} must be >= 1 with dynamic fp16 loss scaling, got "
-                                    f"{getattr(args, name)}")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    warmup, decay = args.lr_warmup_iters, args.lr_decay_iters
-    source = (f"--lr-warmup-fraction {args.lr_warmup_fraction} x --lr-decay-iters {decay} = {warmup}"
-              if args.lr_warmup_fraction is not None else f"--lr-warmup-iters ({warmup})")
-    if args.lr_decay_style != "constant" and warmup >= decay:
-        raise ArgumentError(f"{source} must be < --lr-decay-iters ({decay}; default --train-iters) for "
-                            f"--lr-decay-style {args.lr_decay_style}: lower the warmup or raise --lr-decay-iters")
-    if args.lr_decay_style == "WSD":
-        wsd = args.lr_wsd_decay_iters
-        if wsd is None or wsd > decay - warmup:
-            raise ArgumentError(f"--lr-decay-style WSD needs --lr-wsd-decay-iters in [1, --lr-decay-iters - warmup "
-                                f"= {decay - warmup}], got {wsd}")
-
-
 _FLAG_NAMES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
                "--virtual-pipeline-model-parallel-size")
 
@@ -327,7 +266,8 @@ def _layout_rule(rule: Callable[..., Any], *sizes: Any) -> Any:
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive DP size, virtual size and microbatch count; refuse impossible settings.
 
-    Each refusal is one ArgumentError naming the flag, its value and what it must be. The rules of
+    A refusal is one ArgumentError whose ``problems`` each name a flag, its value and what it must be
+    (every problem of the independent value rules at once; the dependent ones after, one by one). The rules of
     the process layout and the batch live here (the layout's shared with parallel_state); how the
     model splits over it (layers over the pipeline stages, heads / groups / FFN / sequence over TP)
     is the model config's rule (models/config.py), checked when the application builds it from
@@ -335,8 +275,19 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     """
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     args.world_size = world_size
-    args.data_parallel_size = _layout_rule(data_parallel_size, world_size, tp, pp)
-    _check_ranges(args)
+    # Every problem of these independent rules at once; the rules after them do arithmetic on the values.
+    problems = range_problems(args) + refused_combinations(args) + environment_problems(args)
+    try:
+        args.data_parallel_size = _layout_rule(data_parallel_size, world_size, tp, pp)
+    except ArgumentError as e:
+        problems[:0] = e.problems
+    try:
+        check_refusals(args)
+    except MegatronFlagError as e:
+        problems.append(str(e))
+    raise_problems(problems)
+    for warning in ineffective_flags(args, _parser_defaults()):
+        _notice(warning, "warning")
 
     if args.num_layers_per_virtual_pipeline_stage is not None:
         if args.virtual_pipeline_model_parallel_size is not None:
@@ -377,23 +328,19 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # nothing to split: Megatron also turns it off, with a warning
         _notice("--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off")
-    if args.bf16 and args.fp16:
-        raise ArgumentError("--bf16 and --fp16 are exclusive")
     if args.compile:
         import torch._dynamo  # only here: argument parsing stays light without --compile
 
         if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
             raise ArgumentError(f"--compile-backend {args.compile_backend!r} is not a torch.compile backend; use "
                                 f"one of {', '.join(torch._dynamo.list_backends())} (default inductor)")
-    if args.group_query_attention and args.num_query_groups is None:
-        raise ArgumentError("--group-query-attention needs --num-query-groups")
     if not args.group_query_attention:
         args.num_query_groups = None
     try:
         check_megatron_args(args)
     except MegatronFlagError as e:
         raise ArgumentError(str(e)) from None
-    _check_optimizer_and_schedule(args)
+    check_optimizer_and_schedule(args)
     if args.save_interval is None and args.save is not None:
         args.save_interval = args.train_iters
     if args.recompute_granularity == "full" and args.recompute_method is None:

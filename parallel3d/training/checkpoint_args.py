@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import Any, Optional
 
 from parallel3d.training import checkpointing
 from parallel3d.training.checkpoint_integrity import CheckpointError
@@ -65,3 +65,30 @@ def apply_checkpoint_args(args: argparse.Namespace) -> list[str]:
     for k, v in new.items():
         setattr(args, k, v)
     return changed
+
+
+def take_checkpoint_split(args: argparse.Namespace, partition: list[list[range]]) -> Optional[str]:
+    """Resume with the layer split --load's latest checkpoint records (a converter's even split, or another
+    version's balance) when this run names none of its own and differs: sets --pipeline-model-parallel-layout
+    and returns the notice to print; None when nothing changes (the load then checks the split as before)."""
+    own = (args.pipeline_model_parallel_layout, args.decoder_first_pipeline_num_layers,
+           args.decoder_last_pipeline_num_layers, args.account_for_embedding_in_pipeline_split or None,
+           args.account_for_loss_in_pipeline_split or None)
+    if not args.load or args.pipeline_split != "balanced" or any(v is not None for v in own):
+        return None
+    try:
+        iteration = checkpointing.read_latest_iteration(args.load) if os.path.isdir(args.load) else None
+        meta = checkpointing.read_metadata(checkpointing.find_checkpoint_dir(args.load, iteration)) \
+            if iteration is not None else None
+    except CheckpointError:
+        return None  # the load reports it
+    if meta is None or (meta["layout"].get("virtual_pipeline_model_parallel_size") or 1) != \
+            (args.virtual_pipeline_model_parallel_size or 1):
+        return None
+    split = saved_split(meta, args.pipeline_model_parallel_size)
+    if split is None or len(split) == 1 or split == [[list(r) for r in chunks] for chunks in partition] \
+            or sum(len(layers) for chunks in split for layers in chunks) != args.num_layers:
+        return None
+    args.pipeline_model_parallel_layout = layout_string(split)
+    return (f"--load {args.load}: taking the checkpoint's layer split over the pipeline stages "
+            f"(--pipeline-model-parallel-layout '{args.pipeline_model_parallel_layout}')")

@@ -320,16 +320,26 @@ def check_compatible(meta: dict[str, Any], model_config: Any, ckpt_dir: str) -> 
     have, want = meta["layout"], _layout()
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"):
         if have.get(key) != want.get(key):
-            raise CheckpointError(
-                f"{ckpt_dir} was saved with {key}={have.get(key)} but this run has {want.get(key)}; "
-                "convert it first: python tools/convert_checkpoint.py --loader parallel3d --saver parallel3d "
-                "--target-tensor-parallel-size ... --target-pipeline-parallel-size ..."
-            )
+            raise CheckpointError(f"{ckpt_dir} was saved with {key}={have.get(key)} but this run has "
+                                  f"{want.get(key)}; {_conversion_command(ckpt_dir, want)}")
     check = getattr(model_config, "checkpoint_mismatches", None)  # the model's own rule (model_chunk.py)
     diffs = check(meta["model_config"]) if check is not None and meta.get("model_config") else []
     if diffs:
         raise CheckpointError(f"{ckpt_dir} holds another model: " + "; ".join(diffs) + ". Give this run the "
                               "checkpoint's settings, or --use-checkpoint-args to take them from it")
+
+
+def _conversion_command(ckpt_dir: str, want: dict[str, Any]) -> str:
+    """The two steps that resume ``ckpt_dir`` in the layout ``want``, with this checkpoint's paths and sizes."""
+    load = os.path.dirname(os.path.normpath(ckpt_dir))
+    tp, pp, vp = (want.get(k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                         "virtual_pipeline_model_parallel_size"))
+    out = f"{load}_tp{tp}_pp{pp}" + (f"_vp{vp}" if vp else "")
+    return (f"convert it: python3 tools/convert_checkpoint.py --loader parallel3d --saver parallel3d --load-dir {load} "
+            f"--save-dir {out} --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
+            + (f" --target-virtual-pipeline-parallel-size {vp}" if vp else "")
+            + f", then resume with --load {out} --no-load-optim --no-load-rng (the conversion keeps the weights and "
+            "the iteration, not the optimizer or RNG state)")
 
 
 def load_model_shards(ckpt_dir: str, tp_rank: int, pp_rank: int,
@@ -416,6 +426,10 @@ def load_checkpoint(
     if load_rng:
         rel = f"rng/rank_{_global_rank():05d}.pt"
         path = confined_path(ckpt_dir, rel)
+        recorded = meta.get(FILES_KEY)  # None: saved before file records were kept
+        if not os.path.exists(path) and recorded is not None and not any(k.startswith("rng/") for k in recorded):
+            raise CheckpointError(f"{ckpt_dir} holds no RNG state (written by tools/convert_checkpoint.py, or saved "
+                                  "with --no-save-rng): resume with --no-load-rng (fresh dropout RNG streams)")
         if not os.path.exists(path):
             raise CheckpointError(f"missing RNG state {path} (saved with fewer ranks, e.g. a smaller data-parallel "
                                   "size?). Model and optimizer state do not depend on the data-parallel "

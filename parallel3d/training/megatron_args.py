@@ -119,7 +119,7 @@ def _refuse(flag: str, why: str) -> None:
     raise MegatronFlagError(f"{flag} is not supported by parallel3d: {why}")
 
 
-def _check_refusals(args: argparse.Namespace) -> None:
+def check_refusals(args: argparse.Namespace) -> None:
     for flag, alternative in REFUSED.items():
         if getattr(args, flag[2:].replace("-", "_"), None) is not None:
             _refuse(flag, alternative)
@@ -197,6 +197,17 @@ def update_num_microbatches(args: argparse.Namespace, consumed_samples: int) -> 
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
 
 
+def samples_consumed(args: argparse.Namespace, iterations: int) -> int:
+    """The samples the first ``iterations`` iterations consume: the rampup's growing batches, then full ones."""
+    if args.rampup_batch_size is None:
+        return iterations * args.target_global_batch_size
+    consumed, done = 0, 0
+    while done < iterations and consumed <= args.rampup_batch_size[2]:
+        consumed += current_global_batch_size(args, consumed)
+        done += 1
+    return consumed + (iterations - done) * args.target_global_batch_size
+
+
 def _iterations_for_samples(args: argparse.Namespace) -> int:
     """Megatron's update_train_iters: the rampup's iterations, then full batches; a partial last batch is dropped."""
     if args.rampup_batch_size is None:
@@ -266,6 +277,6 @@ def scheduler_steps(args: argparse.Namespace) -> dict[str, Optional[int]]:
 
 def check_megatron_args(args: argparse.Namespace) -> None:
     """Refusals, aliases and sample-based training; needs data_parallel_size and global_batch_size."""
-    _check_refusals(args)
+    check_refusals(args)
     _apply_aliases(args)
     _derive_sample_based(args)

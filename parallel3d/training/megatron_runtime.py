@@ -5,11 +5,13 @@
   0; the LR schedule of a resumed run must match the checkpoint's unless
   ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler`` says which wins;
 - ``--exit-duration-in-mins``: every rank agrees to stop once the time is up;
-- ``--wandb-project``: Weights & Biases logging where wandb is installed.
+- ``--wandb-project``, ``--tensorboard-dir``: Weights & Biases / TensorBoard logging (Megatron's tag names),
+  refused before any work where the package is not installed.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import time
@@ -19,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.training import checkpointing
-from parallel3d.training.checkpoint_integrity import CheckpointError
+from parallel3d.training.checkpoint_integrity import FILES_KEY, CheckpointError
 from parallel3d.device import default_device
 
 _FLAG_OF = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
@@ -98,13 +100,8 @@ def load_for_training(config: Any, model: Sequence[torch.nn.Module], optimizer: 
         return 0, 0, 0
     load_optim = not (ckpt.no_load_optim or ckpt.finetune)
     load_rng = not (ckpt.no_load_rng or ckpt.finetune)
-    saved = checkpointing.open_checkpoint(ckpt.load, latest)[2].get("args") or {}
-    for what, skipped, flag in (("optimizer", load_optim and saved.get("no_save_optim"), "--no-load-optim"),
-                                ("RNG", load_rng and saved.get("no_save_rng"), "--no-load-rng")):
-        if skipped:
-            raise CheckpointError(f"{ckpt.load} (iteration {latest}) was saved without {what} state "
-                                  f"(--no-save-{'optim' if what == 'optimizer' else 'rng'}): resume with {flag}, "
-                                  "or with --finetune")
+    meta = checkpointing.open_checkpoint(ckpt.load, latest)[2]
+    _check_resumable(ckpt.load, latest, meta, config, load_optim, load_rng)
     iteration, meta = checkpointing.load_checkpoint(
         ckpt.load, model, optimizer if load_optim else None,
         CheckedScheduler(scheduler, config.lr_schedule) if load_optim else None,
@@ -122,6 +119,42 @@ def load_for_training(config: Any, model: Sequence[torch.nn.Module], optimizer: 
         say(f"notice: the checkpoint is at iteration {iteration} >= --train-iters {train_iters}: nothing to "
             "train. Raise --train-iters to continue, or add --finetune to train these weights from iteration 0")
     return iteration, consumed_train, consumed_valid
+
+
+def _precision(fp16: bool, bf16: bool, loss_scale: Optional[float]) -> str:
+    scale = f" --loss-scale {loss_scale:g}" if loss_scale else ""
+    return ("--fp16" if fp16 else "--bf16" if bf16 else "fp32") + scale
+
+
+def _check_resumable(load: str, iteration: int, meta: dict, config: Any, load_optim: bool, load_rng: bool) -> None:
+    """Refuse, before a tensor is read, a resume the checkpoint cannot serve, naming the flags that resume it:
+    state it does not hold (--no-save-optim / --no-save-rng, or a converted checkpoint: weights only), or an
+    optimizer state of other loss scaling (a grad scaler, --fp16 or --loss-scale, on one side only)."""
+    saved = meta.get("args") or {}
+    files = meta.get(FILES_KEY)  # None: saved before file records were kept
+
+    def holds(test: Callable[[str], bool]) -> bool:
+        return files is None or any(test(name) for name in files)
+
+    missing = []  # (state, the flag that resumes without it)
+    if load_optim and (saved.get("no_save_optim") or not holds(lambda name: name.endswith("/optimizer.pt"))):
+        missing.append(("optimizer", "--no-load-optim"))
+    if load_rng and (saved.get("no_save_rng") or not holds(lambda name: name.startswith("rng/"))):
+        missing.append(("RNG", "--no-load-rng"))
+    if missing:
+        why = ("written by tools/convert_checkpoint.py, which keeps the weights only" if meta.get("args") is None
+               else ", ".join(flag.replace("load", "save") for _, flag in missing))
+        raise CheckpointError(f"{load} (iteration {iteration}) was saved without {' or '.join(m[0] for m in missing)} "
+                              f"state ({why}): resume with {' '.join(m[1] for m in missing)} (the iteration and data "
+                              "position are kept), or with --finetune (its weights, from iteration 0)")
+    opt = config.optimizer
+    if load_optim and "fp16" in saved:
+        if bool(saved["fp16"] or saved.get("loss_scale")) != bool(opt.fp16 or opt.loss_scale):  # a grad scaler
+            was = _precision(saved["fp16"], saved.get("bf16"), saved.get("loss_scale"))
+            now = _precision(opt.fp16, opt.bf16, opt.loss_scale)
+            raise CheckpointError(f"{load} (iteration {iteration}) was saved with {was}, this run has {now}: the "
+                                  "optimizer state's loss scaling differs; resume with the checkpoint's "
+                                  f"{was}, or add --no-load-optim to take its weights with a fresh optimizer")
 
 
 def single_process_env() -> bool:
@@ -179,10 +212,57 @@ class WandbSink:
         self.run.finish()
 
 
-def check_wandb_available(args: argparse.Namespace) -> None:
-    """Refuse --wandb-project before any work when wandb is not installed (not a warning hours later)."""
-    if args.wandb_project:
-        import importlib.util
+_TENSORBOARD_MISSING = ("--tensorboard-dir needs the tensorboard package: pip install tensorboard (or pip install "
+                        "'parallel3d[tensorboard]'), or drop --tensorboard-dir")
 
-        if importlib.util.find_spec("wandb") is None:
-            raise ImportError(_WANDB_MISSING)
+
+class TensorBoardSink:
+    """--tensorboard-dir with Megatron's tag names (its training_log and evaluate_and_print_results: "lm loss",
+    "learning-rate", "lm loss validation", ..., most also "<tag> vs samples"), so Megatron's dashboards read it."""
+
+    def __init__(self, log_dir: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ImportError(_TENSORBOARD_MISSING) from None
+        self.writer = SummaryWriter(log_dir)
+
+    def _add(self, tag: str, value: Optional[float], iteration: int, samples: Optional[int]) -> None:
+        if value is None:
+            return
+        self.writer.add_scalar(tag, value, iteration)
+        if samples is not None:
+            self.writer.add_scalar(tag + " vs samples", value, samples)
+
+    def log_train(self, record: dict[str, Any], losses: dict[str, float], samples: Optional[int],
+                  batch_size: int) -> None:
+        """``record``: TrainingLogger's train record; ``losses``: the interval's mean of each reported loss."""
+        it = record["iteration"]
+        self._add("learning-rate", record["lr"], it, samples)
+        self._add("batch-size", batch_size, it, samples)
+        for key, value in losses.items():
+            self._add(key, value, it, samples)
+        self._add("loss-scale", record["loss_scale"], it, samples)
+        self._add("grad-norm", record["grad_norm"], it, samples)
+        self._add("iteration-time", record["iteration_time_s"], it, None)
+        self._add("throughput", record["tflops_per_gpu"], it, None)  # TFLOP/s per GPU
+        self._add("mem-max-allocated-bytes", record["memory_gb"] * 2 ** 30, it, None)
+
+    def log_eval(self, iteration: int, losses: dict[str, float], samples: Optional[int]) -> None:
+        for key, value in losses.items():
+            self._add(f"{key} validation", value, iteration, samples)
+            self._add(f"{key} validation ppl", math.exp(min(20.0, value)), iteration, samples)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def check_logging_available(args: argparse.Namespace) -> None:
+    """Refuse --wandb-project / --tensorboard-dir before any work when their package is not installed (not a
+    warning hours later, nor a run without the logs asked for)."""
+    import importlib.util
+
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ImportError(_WANDB_MISSING)
+    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        raise ImportError(_TENSORBOARD_MISSING)

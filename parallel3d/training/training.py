@@ -41,6 +41,7 @@ from parallel3d.pipeline import forward_backward
 from parallel3d.pipeline.schedules import placement_of, virtual_stage
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
 from parallel3d.training.checkpoint_lock import save_dir_guard
+from parallel3d.training.megatron_args import samples_consumed
 from parallel3d.training.training_config import TrainingConfig, as_training_config
 from parallel3d.training.training_guards import ExitSignalHandler, StepGuard
 
@@ -135,9 +136,12 @@ def _cyclic(loader: Optional[torch.utils.data.DataLoader]) -> Optional[Iterator]
 def build_data_iterators(datasets_provider: Callable, config: TrainingConfig, consumed_train: int,
                          consumed_valid: int, num_chunks: int):
     """One iterator per model chunk (every chunk sees the same sequence of microbatches)."""
-    loop, gbs = config.loop, config.layout.global_batch_size
+    loop, gbs = config.loop, config.layout.target_global_batch_size
     eval_runs = (loop.train_iters // loop.eval_interval + 1) * loop.eval_iters
-    num_samples = (loop.train_iters * gbs, eval_runs * gbs, loop.eval_iters * gbs)
+    # Megatron's sizes: --train-samples when given, else iterations x the global batch; never fewer than the
+    # run consumes (a rampup's last growing batch may pass --train-samples, as in Megatron's update_train_iters).
+    train_samples = max(config.lr_schedule.train_samples or 0, samples_consumed(config.layout, loop.train_iters))
+    num_samples = (train_samples, eval_runs * gbs, loop.eval_iters * gbs)
     train_ds, valid_ds, test_ds = datasets_provider(num_samples)
     state = parallel_state.resolve_parallel_state()
     dp_rank, dp_size = state.data_parallel_rank, state.data_parallel_size
@@ -278,14 +282,8 @@ class TrainingLogger:
         args = self.config.logging
         self.active = is_last_rank()  # the last rank holds the losses (Megatron logs there too)
         self.json = open(args.log_json, "a") if (self.active and args.log_json) else None
-        self.tb = None
-        if self.active and args.tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(args.tensorboard_dir)
-            except ImportError:
-                print("tensorboard is not installed: --tensorboard-dir ignored (pip install tensorboard)")
+        self.tb = megatron_runtime.TensorBoardSink(args.tensorboard_dir) \
+            if (self.active and args.tensorboard_dir) else None
         self.wandb = megatron_runtime.WandbSink(args, self.config.run_args()) \
             if (self.active and args.wandb_project) else None
         self.bar = (progress.make_bar(self.config.loop.train_iters, "training", stream=sys.stdout,
@@ -313,14 +311,11 @@ class TrainingLogger:
         if self.json:
             self.json.write(json.dumps(record) + "\n")
             self.json.flush()
-        if self.tb:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "iteration":
-                    self.tb.add_scalar(k, v, record["iteration"])
 
     def log(self, iteration: int, lr: float, grad_norm: Optional[float], loss_scale: Optional[float],
-            layout: Any = None) -> None:
-        """``layout``: the logged iteration's (its batch, under --rampup-batch-size); default the config's."""
+            layout: Any = None, consumed_samples: Optional[int] = None) -> None:
+        """``layout``: the logged iteration's (its batch, under --rampup-batch-size); default the config's.
+        ``consumed_samples``: after this iteration (TensorBoard's "vs samples" tags)."""
         layout = layout or self.config.layout
         train_iters = self.config.loop.train_iters
         if torch.cuda.is_available():
@@ -341,20 +336,25 @@ class TrainingLogger:
                   "memory_gb": mem_gb, "skipped_iterations": self.skipped, "loss_scale": loss_scale}
         if self.active:
             self.write(record)
+            if self.tb:
+                self.tb.log_train(record, loss, consumed_samples, layout.global_batch_size)
             if self.bar is not None:
                 self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
             mfu = f" | MFU {100 * record['mfu']:.1f}%" if record["mfu"] else ""
             gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
             tf = f"{tflops:.1f}" if tflops is not None else "n/a"  # n/a: a model config without a FLOPs count
+            tf = f" | {tf} TFLOP/s/GPU{mfu}" if torch.cuda.is_available() else ""  # CPU processes: no GPU to rate
             progress.emit(self.bar, f"iteration {iteration:6d}/{train_iters} | loss {record['loss']:.4f} | lr {lr:.3e} | "
-                  f"grad norm {gn} | {per_iter * 1000:.0f} ms/it | {tokens_per_s:,.0f} tokens/s | "
-                  f"{tf} TFLOP/s/GPU{mfu} | mem {mem_gb:.2f} GB"
+                  f"grad norm {gn} | {per_iter * 1000:.0f} ms/it | {tokens_per_s:,.0f} tokens/s"
+                  f"{tf} | mem {mem_gb:.2f} GB"
                   + (f" | skipped {self.skipped}" if self.skipped else ""))
         self.reset()
 
-    def log_eval(self, iteration: int, losses: dict[str, float]) -> None:
+    def log_eval(self, iteration: int, losses: dict[str, float], consumed_samples: Optional[int] = None) -> None:
         if not self.active:
             return
+        if self.tb:
+            self.tb.log_eval(iteration, losses, consumed_samples)
         loss = losses.get("lm loss", next(iter(losses.values()), float("nan")))
         ppl = math.exp(min(loss, 20.0))
         progress.emit(self.bar, f"validation at iteration {iteration} | lm loss {loss:.4f} | perplexity {ppl:.2f}")
@@ -447,12 +447,14 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
         history.append(loss)
         grad_norms.append(grad_norm)
         logger.record(loss, skipped)
-        if iteration % config.logging.log_interval == 0 or iteration == loop.train_iters:
+        # iteration 1 too: a loss curve starts at the untrained model's loss
+        if iteration % config.logging.log_interval == 0 or iteration in (1, loop.train_iters):
             scale = optimizer.get_loss_scale() if loop.fp16 else None
             logger.log(iteration, optimizer.param_groups[0]["lr"], grad_norm,
-                       float(scale) if scale is not None else None, layout)
+                       float(scale) if scale is not None else None, layout, consumed_train)
         if any(v is not None for v in valid_iter) and loop.eval_interval and iteration % loop.eval_interval == 0:
-            logger.log_eval(iteration, evaluate(forward_step_func, valid_iter, model, step_config, eval_losses))
+            logger.log_eval(iteration, evaluate(forward_step_func, valid_iter, model, step_config, eval_losses),
+                            consumed_train)
             consumed_valid += loop.eval_iters * layout.global_batch_size
         if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0 and not bad:
             save(iteration)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from typing import Any, Optional
 
 import torch
@@ -29,6 +30,7 @@ from parallel3d.models.config import TransformerConfig
 from parallel3d.training.safetensors_stream import StreamingSafetensorsWriter
 
 from .hf_files import SAFETENSORS_FILE, TensorFiles, confined_path, read_json_object
+from .hf_tokenizer import export_tokenizer
 from .schema import ConversionError
 
 CONFIG_FILE = "config.json"
@@ -415,7 +417,10 @@ class HfLoader:
 class HfSaver:
     """Writes ``config.json`` + ``model.safetensors`` (streamed) for GPT2LMHeadModel / LlamaForCausalLM."""
 
-    def __init__(self, out_dir: str, config: TransformerConfig, base_hf_config: Optional[dict[str, Any]] = None):
+    def __init__(self, out_dir: str, config: TransformerConfig, base_hf_config: Optional[dict[str, Any]] = None,
+                 training_args: Optional[dict[str, Any]] = None):
+        """``training_args``: the source checkpoint's recorded arguments, whose tokenizer is exported too."""
+        self.training_args = training_args
         self.family = hf_family(config)
         self.out_dir, self.config, self.dtype = out_dir, config, config.params_dtype
         self.hf_config = hf_config_from_transformer(config, self.dtype, base_hf_config)
@@ -444,6 +449,12 @@ class HfSaver:
 
     def finish(self) -> None:
         self.writer.close()
+        eod, why = export_tokenizer(self.training_args, self.out_dir)
+        for key in ("bos_token_id", "eos_token_id"):
+            if self.hf_config.get(key) is None:
+                self.hf_config[key] = eod
+        if why and self.training_args is not None:
+            print(f"note: no tokenizer files in the export: {why}", file=sys.stderr, flush=True)
         path = os.path.join(self.out_dir, CONFIG_FILE)
         with open(path, "w") as f:
             json.dump(self.hf_config, f, indent=2, sort_keys=True)

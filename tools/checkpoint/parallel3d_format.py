@@ -125,6 +125,7 @@ class Parallel3dLoader:
         except CheckpointError as e:
             raise ConversionError(str(e)) from e
         self.iteration, self.extra = iteration, dict(meta.get("extra") or {})
+        self.args = meta.get("args")  # the training run's arguments (its tokenizer); None for a conversion
         layout = meta["layout"]
         tp, pp = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
         vp = layout.get("virtual_pipeline_model_parallel_size")
