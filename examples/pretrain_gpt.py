@@ -243,7 +243,7 @@ def main(argv=None) -> dict:
             raise ArgumentError(f"--vocab-size ({args.vocab_size}) is smaller than the tokenizer's "
                                 f"({tokenizer.vocab_size})")
         config = transformer_config_from_args(args)  # validates heads, groups, dims against TP
-        check_fits(args, config.padded_vocab_size)  # absurd sizes: the planner's estimate, before init
+        check_fits(args, config)  # absurd sizes: the planner's estimate, before init
         training_config = TrainingConfig.from_args(args)
         partition = layer_partition(args, config)
         took = take_checkpoint_split(args, partition)  # a converted checkpoint's split, not the default's

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from parallel3d.device import default_backend
 from parallel3d.planning import Layout, ModelSpec
@@ -43,8 +43,8 @@ def process_memory() -> tuple[float, str]:
     return float(props.total_memory), f"{props.total_memory / GIB:.1f} GiB of the {props.name}"
 
 
-def _model_problem(args: argparse.Namespace, padded_vocab_size: int, capacity: float, what: str) -> Optional[str]:
-    model = ModelSpec.from_args(args, padded_vocab_size=padded_vocab_size)
+def _model_problem(args: argparse.Namespace, config: Any, capacity: float, what: str) -> Optional[str]:
+    model = ModelSpec.from_config(config)
     layout = Layout.from_args(args, bf16=bool(args.bf16 or args.fp16))  # fp16 keeps bf16's byte counts
     stages = {0, args.pipeline_model_parallel_size - 1}
     est = max((memory_breakdown(model, layout, stage, inflight=1) for stage in stages), key=lambda m: m.peak)
@@ -93,15 +93,16 @@ def _sampling_problem(args: argparse.Namespace, capacity: float, what: str) -> O
             f"continuation, more than the {what}; at most about {int(capacity // per_token):,} tokens fit")
 
 
-def check_fits(args: argparse.Namespace, padded_vocab_size: int,
+def check_fits(args: argparse.Namespace, config: Any,
                capacity: Optional[tuple[float, str]] = None, host: Optional[float] = None) -> None:
-    """Raise an ArgumentError (all problems) when the validated ``args`` cannot fit this machine's memory.
+    """Raise an ArgumentError (all problems) when the validated ``args`` (and the model ``config`` built from
+    them, a TransformerConfig) cannot fit this machine's memory.
 
     ``capacity``: (bytes, description) of one process's device, default :func:`process_memory`;
     ``host``: one process's share of host memory (the data index lives there), default measured."""
     capacity = capacity or process_memory()
     host = host_memory_per_process() if host is None else host
-    problems = (_model_problem(args, padded_vocab_size, *capacity), _data_problem(args, host),
+    problems = (_model_problem(args, config, *capacity), _data_problem(args, host),
                 _sampling_problem(args, *capacity))
     raise_problems([p for p in problems if p])
 
