@@ -296,18 +296,10 @@ def get_parallel_state() -> ParallelState:
 
 
 def resolve_parallel_state(state: Optional[ParallelState] = None) -> ParallelState:
-    """``state`` if given, else the default, else the one-process layout (a process without torch.distributed,
-    or alone in its job). In a job of several processes without the default, an error: a TP layer would
-    otherwise compute on each rank as if it were alone."""
+    """``state`` if given, else the default, else the one-process layout."""
     if state is not None:
         return state
-    if _STATE is not None:
-        return _STATE
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError(f"parallel3d.parallel_state is not initialised in this job of {dist.get_world_size()} "
-                           "processes: call parallel_state.initialize_model_parallel(...) first, or pass the "
-                           "layers their process groups (tp_group=...)")
-    return ParallelState.one_process()
+    return _STATE if _STATE is not None else ParallelState.one_process()
 
 
 def destroy_model_parallel() -> None:

@@ -235,19 +235,3 @@ def _ddp_without_groups(rank, world_size):
 
 def test_ddp_needs_groups_under_torch_distributed():
     run_distributed(_ddp_without_groups, 2)
-
-
-def _layer_without_initialisation(rank, world_size):
-    from parallel3d.tensor_parallel import ColumnParallelLinear
-
-    try:
-        ColumnParallelLinear(8, 8)
-    except RuntimeError as e:
-        return str(e)
-    return "built"
-
-
-def test_tp_layers_refuse_a_multi_process_job_without_parallel_state():
-    """Two processes, torch.distributed up, no initialize_model_parallel: a TP layer would compute as if alone."""
-    for message in run_distributed(_layer_without_initialisation, 2, timeout=60):
-        assert "initialize_model_parallel" in message and "2 processes" in message, message
