@@ -361,7 +361,8 @@ def test_refusals_name_the_problem(tmp_path):
     units = _full_model("llama")
     src = _write_megatron(str(tmp_path / "meg"), "llama", units, 2, 2)
     out = str(tmp_path / "out")
-    assert "holds no Megatron-LM checkpoint" in _error("megatron", "parallel3d", str(tmp_path), out)
+    os.makedirs(tmp_path / "empty")
+    assert "holds no Megatron-LM checkpoint" in _error("megatron", "parallel3d", str(tmp_path / "empty"), out)
     assert "--model-type 'BERT' is not supported" in _error("megatron", "parallel3d", src, out, model_type="BERT")
     assert "--true-vocab-size" in _error("parallel3d", "megatron", src, out, true_vocab_size=100)
     assert "--ckpt-format torch_dist applies to --saver megatron" in _error("megatron", "parallel3d", src, out,

@@ -70,8 +70,8 @@ def run(nproc: int, argv: list, timeout: float, env: dict | None = None) -> Laun
 def start(nproc: int, script: str, argv: list, tmp_path, extra_env: dict | None = None,
           launcher_args: tuple = ("--standalone",), name: str = "") -> subprocess.Popen:
     """torchrun ``script argv`` in ``tmp_path`` (PARALLEL3D_CACHE there), stdout/stderr to ``{name}out.txt``/``err``."""
-    env = checkout_env(dict(os.environ, OMP_NUM_THREADS="1", PARALLEL3D_CACHE=str(tmp_path / "cache"),
-                            PYTHONUNBUFFERED="1", **(extra_env or {})))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARALLEL3D_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    env = checkout_env({**env, **(extra_env or {})})
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, f"--nproc-per-node={nproc}", script, *argv]
     return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=open(tmp_path / f"{name}out.txt", "w"),
                             stderr=open(tmp_path / f"{name}err.txt", "w"), start_new_session=True)

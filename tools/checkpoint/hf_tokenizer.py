@@ -6,11 +6,14 @@ config.json the end-of-document id as ``eos_token_id`` / ``bos_token_id`` (GPT-2
 """
 from __future__ import annotations
 
+import argparse
+
 import os
 import shutil
 from typing import Any, Optional
 
 from parallel3d.data import build_tokenizer
+from parallel3d.data.tokenizer import TOKENIZER_TYPES
 
 _HF_EXTRA_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
@@ -29,11 +32,15 @@ def _files(kind: str, args: dict[str, Any]) -> dict[str, Optional[str]]:
     return {}
 
 
-def export_tokenizer(args: Optional[dict[str, Any]], out_dir: str) -> tuple[Optional[int], Optional[str]]:
-    """Copy the recorded tokenizer's files into ``out_dir``: (its end-of-document id, why no files were written)."""
+def export_tokenizer(args: Any, out_dir: str) -> tuple[Optional[int], Optional[str]]:
+    """Copy the recorded tokenizer's files into ``out_dir``: (its end-of-document id, why no files were written).
+    ``args``: the source's saved arguments, a dict (parallel3d) or a Namespace (Megatron-LM), or None."""
+    args = vars(args) if isinstance(args, argparse.Namespace) else args
     kind = (args or {}).get("tokenizer_type")
     if not kind:
         return None, "the checkpoint records no tokenizer (a converted one keeps the source's config instead)"
+    if kind not in TOKENIZER_TYPES:  # a Megatron-LM source's SentencePiece, Null, TikToken ... tokenizer
+        return None, f"its {kind} has no reader here: copy the tokenizer files by hand"
     files = _files(kind, args)
     missing = [src for src in files.values() if not src or not os.path.isfile(src)]
     if missing:
