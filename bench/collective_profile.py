@@ -16,24 +16,18 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import statistics
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_breakdown import merge_intervals  # noqa: E402
 
 KINDS = ("AllGather", "ReduceScatter", "AllReduce", "SendRecv", "Broadcast")
 
 
 def _kind(name: str) -> str:
     return next((k for k in KINDS if k.lower() in name.lower()), "other")
-
-
-def _merge(intervals):
-    out = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
 
 
 def _covered(a: float, b: float, merged) -> float:
@@ -50,7 +44,7 @@ def collective_table(trace: dict) -> dict:
         return {}
     comm = sorted((k for k in kernels if "nccl" in k["name"].lower()), key=lambda k: k["ts"])
     compute = sorted((k for k in kernels if "nccl" not in k["name"].lower()), key=lambda k: k["ts"])
-    compute_merged = _merge([(k["ts"], k["ts"] + k["dur"]) for k in compute])
+    compute_merged = merge_intervals([(k["ts"], k["ts"] + k["dur"]) for k in compute])
     compute_ends = sorted(k["ts"] + k["dur"] for k in compute)
     rows: dict[str, dict[str, list]] = {}
     for k in comm:

@@ -29,7 +29,7 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[list[float]]:
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[list[float]]:
     merged: list[list[float]] = []
     for a, b in sorted(intervals):
         if merged and a <= merged[-1][1]:
@@ -72,11 +72,11 @@ def kernel_breakdown(prof) -> dict:
     sums = {c: 0.0 for c in ("gemm", "attention", "other", "comm")}
     for c, a, b in kernels:
         sums[c] += b - a
-    comm = _union([(a, b) for c, a, b in kernels if c == "comm"])
-    compute = _union([(a, b) for c, a, b in kernels if c != "comm"])
+    comm = merge_intervals([(a, b) for c, a, b in kernels if c == "comm"])
+    compute = merge_intervals([(a, b) for c, a, b in kernels if c != "comm"])
     span = max(b for _, _, b in kernels) - min(a for _, a, _ in kernels)
     beside = _overlap(comm, compute)
-    busy = _length(_union([(a, b) for _, a, b in kernels]))
+    busy = _length(merge_intervals([(a, b) for _, a, b in kernels]))
     us = 1e-3  # profiler times are microseconds
     return {**{f"{c}_ms": v * us for c, v in sums.items()},
             "comm_exposed_ms": (_length(comm) - beside) * us, "idle_ms": (span - busy) * us, "span_ms": span * us,
