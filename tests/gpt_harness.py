@@ -69,7 +69,7 @@ def train(args, dataset_size=GBS * ITERS * 2):
     model_parallel_cuda_manual_seed(seed)
     with redirect_stdout(io.StringIO()):
         result = pretrain(args, partial(pretrain_gpt.model_provider, config, partition),
-                          partial(pretrain_gpt.forward_step, False),
+                          partial(pretrain_gpt.forward_step, args.calculate_per_token_loss),
                           lambda n: (TokenDataset(dataset_size), None, None), model_config=config,
                           layer_numbers=[[list(r) for r in chunks] for chunks in partition])  # as pretrain_gpt.py
     return result
