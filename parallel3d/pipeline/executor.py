@@ -252,8 +252,8 @@ class ScheduleExecutor:
         else:
             nxt = self._local_neighbour(chunk, +1)
             grads = self.output_grads.pop(key) if nxt is None else self.input_grads.pop((mb, nxt))
-        defer = (wgrad_store.deferring(self.deferred.setdefault(key, [])) if self.split_backward
-                 else contextlib.nullcontext())
+        defer = (wgrad_store.deferring(self.model[chunk].parameters(), self.deferred.setdefault(key, []))
+                 if self.split_backward else contextlib.nullcontext())
         with self._sync_if(chunk, mb == self.last_backward[chunk]), defer:
             custom_backward(outputs, grads)
         if not self._is_first(chunk):

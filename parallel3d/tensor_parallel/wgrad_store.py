@@ -3,11 +3,19 @@
 A zero-bubble schedule runs a microbatch's backward in two steps: B computes the input
 gradient that the previous pipeline stage waits for, W computes the weight gradients that
 nobody waits for.  Our linear layers' autograd Function computes its input gradient (and runs
-its TP collective) in its backward as always; inside :func:`deferring` it hands its
-weight-gradient GEMM to the store as a closure over the tensors that GEMM reads, instead of
+its TP collective) in its backward as always; for a weight inside :func:`deferring` it hands its
+weight-gradient GEMM to the given list as a closure over the tensors that GEMM reads, instead of
 running it.  The schedule's W step then calls :func:`run_deferred`.  No graph surgery: the
 Function is an ordinary node, so activation checkpointing's recomputed forward produces the very
 tensors the closure captures.
+
+How B reaches the list: through the weights.  The executor marks the parameters of the chunk it
+runs B on (``defer_wgrad_into``, set before the backward and removed after it, see
+:func:`deferring`); the linear's backward reads the mark on the weight autograd saved for it.
+Not a module global or a thread-local: autograd runs CUDA backward functions on its own device
+threads, outside the thread that called backward, and a global would also take the GEMMs of any
+other backward running meanwhile (another model, another thread).  The weight is what the
+backward holds anyway, and only the chunk the executor names defers.
 
 Where a gradient lands: with ``main_grad`` (the DDP buffer) it is added there (fused with the
 GEMM where the layer asks for gradient_accumulation_fusion), else summed into ``.grad``.
@@ -20,38 +28,36 @@ the W step calls the weight's ``deferred_grad_ready`` hook (set by DDP) once it 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 Deferred = list[tuple[torch.Tensor, Callable[[], None]]]
 
-# The list the running B collects into.  Module state rather than thread-local: autograd runs
-# CUDA backward functions on its own device threads, outside the thread that called backward.
-_collector: Optional[Deferred] = None
-
 
 @contextlib.contextmanager
-def deferring(into: Deferred) -> Iterator[Deferred]:
-    """Within this context, linear layers defer their weight-gradient GEMMs into ``into``."""
-    global _collector
-    previous, _collector = _collector, into
+def deferring(weights: Iterable[torch.Tensor], into: Deferred) -> Iterator[Deferred]:
+    """Within this context, linear layers defer the weight-gradient GEMMs of ``weights`` into ``into``."""
+    weights = list(dict.fromkeys(weights))
+    if any(getattr(w, "defer_wgrad_into", None) is not None for w in weights):
+        raise RuntimeError("a weight already defers its gradient into another W: deferring() contexts "
+                           "over the same weights cannot nest")
+    for weight in weights:
+        weight.defer_wgrad_into = into
     try:
         yield into
     finally:
-        _collector = previous
-
-
-def is_deferring() -> bool:
-    return _collector is not None
+        for weight in weights:
+            del weight.defer_wgrad_into
 
 
 def defer(weight: torch.Tensor, compute: Callable[[], None]) -> bool:
-    """Queue ``compute`` (which adds weight's gradient) when a B is deferring; False to run it now."""
-    if _collector is None:
+    """Queue ``compute`` (which adds weight's gradient) where a B defers this weight; False to run it now."""
+    into = getattr(weight, "defer_wgrad_into", None)
+    if into is None:
         return False
     weight.wgrad_pending = getattr(weight, "wgrad_pending", 0) + 1
-    _collector.append((weight, compute))
+    into.append((weight, compute))
     return True
 
 
