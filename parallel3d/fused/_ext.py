@@ -82,11 +82,13 @@ def _jit_build() -> ModuleType:
     headers = sorted(glob.glob(os.path.join(_CSRC, "*.h")) + glob.glob(os.path.join(_CSRC, "*.cuh")))
     if not sources:
         raise RuntimeError(f"no CUDA sources under {_CSRC}")
-    arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    # The user's TORCH_CUDA_ARCH_LIST, which torch's build reads; else this GPU's architecture, passed
+    # as nvcc's -gencode (torch then adds no arch flags of its own), not written into os.environ.
+    arch, arch_flags = os.environ.get("TORCH_CUDA_ARCH_LIST"), []
     if not arch:
         major, minor = torch.cuda.get_device_capability()
         arch = f"{major}.{minor}"
-        os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+        arch_flags = [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
     h = hashlib.sha1()
     for path in sources + headers:
         with open(path, "rb") as f:
@@ -102,7 +104,7 @@ def _jit_build() -> ModuleType:
             sources=sources,
             build_directory=build_dir,
             extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"],
+            extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"] + arch_flags,
             extra_include_paths=[_CSRC] + _cuda_include_dirs(),
             verbose=os.environ.get("PARALLEL3D_JIT_VERBOSE") == "1",
         )
