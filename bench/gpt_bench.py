@@ -39,14 +39,13 @@ import torch.distributed as dist  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-import pretrain_gpt  # noqa: E402
 from collective_profile import collective_table  # noqa: E402
 from profile_breakdown import kernel_breakdown, write_op_table  # noqa: E402
 
 from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.device import default_device  # noqa: E402
+from parallel3d.training import gpt  # noqa: E402
 from parallel3d.training.arguments import parse_args, validate_args  # noqa: E402
 from parallel3d.distributed import get_megatron_optimizer  # noqa: E402
 from parallel3d.pipeline import build_schedule, simulate  # noqa: E402
@@ -108,7 +107,7 @@ def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace,
     ] + ([] if bench.fp32 else ["--bf16"]) \
       + (["--virtual-pipeline-model-parallel-size", str(bench.vpp)] if bench.vpp else []) + rest
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
-    args = validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), world)
+    args = validate_args(parse_args(argv, extra_args_provider=gpt.add_sampling_args), world)
     return bench, args
 
 
@@ -165,13 +164,13 @@ def main(argv=None) -> None:
     if bench.sm_carveout is not None:
         torch._C._set_sm_carveout_experimental(bench.sm_carveout)
     fused_kernels = fused.describe()
-    config = pretrain_gpt.transformer_config_from_args(args)
-    partition = pretrain_gpt.layer_partition(args, config)
-    model = get_model(partial(pretrain_gpt.model_provider, config, partition), training_config)
+    config = gpt.transformer_config_from_args(args)
+    partition = gpt.layer_partition(args, config)
+    model = get_model(partial(gpt.model_provider, config, partition), training_config)
     optimizer = get_megatron_optimizer(training_config.optimizer, model)
     scheduler = get_optimizer_param_scheduler(optimizer, training_config)
     iterators = [synthetic_iterator(args) for _ in model]
-    forward_step = partial(pretrain_gpt.forward_step, False)
+    forward_step = partial(gpt.forward_step, False)
 
     times = []
     for i in range(bench.warmup + bench.iters):

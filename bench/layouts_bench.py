@@ -103,11 +103,12 @@ def predict(name: str, cluster) -> tuple[float, float]:
     """(step seconds, peak GiB of the last rank) the planner gives for this run."""
     import gpt_bench
     from parallel3d.planning import Layout, ModelSpec, estimate
+    from parallel3d.training import gpt
     from parallel3d.planning.hardware import GIB
 
     gpus, both, ours_only, _ = RUNS[name]
     _, args = gpt_bench.bench_args(both + ours_only, world=gpus)
-    model = ModelSpec.from_config(gpt_bench.pretrain_gpt.transformer_config_from_args(args))
+    model = ModelSpec.from_config(gpt.transformer_config_from_args(args))
     est = estimate(model, Layout.from_args(args), cluster)
     return est.step_time_s, est.memory[-1].peak / GIB
 

@@ -10,7 +10,8 @@ Options are Megatron-LM's (``python examples/pretrain_gpt.py --help``). Without
 ``--data-path`` it trains on the Python documentation that ships with Python
 (``pydoc_data.topics``), tokenized to bytes; nothing is downloaded. GPUs use
 nccl, CPUs gloo. ``--sample-prompt TEXT`` prints a greedy continuation from the
-trained model at the end (models.generation, as tools/generate.py).
+trained model at the end (models.generation, as tools/generate.py). The model's config, layer split,
+model provider and forward step are the library's (parallel3d.training.gpt).
 """
 from __future__ import annotations
 
@@ -19,24 +20,29 @@ import hashlib
 import os
 import sys
 from functools import partial
-from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 if __name__ == "__main__":
     from parallel3d.bootstrap import reexec_unless_ready  # noqa: E402
     reexec_unless_ready(__file__)  # this Python lacks torch & co: run inside .venv, as the demo does
 
-import torch
 import torch.distributed as dist
 
-from parallel3d.models import GPTModel, TransformerConfig  # noqa: E402
+from parallel3d.models import TransformerConfig  # noqa: E402
 from parallel3d import fused, parallel_state  # noqa: E402
 from parallel3d.training.arguments import ArgumentError, parse_args, validate_args  # noqa: E402
 from parallel3d.training.argument_rules import report_bad_input  # noqa: E402
 from parallel3d.training.preflight import check_fits  # noqa: E402
 from parallel3d.training.checkpoint_args import apply_checkpoint_args, take_checkpoint_split  # noqa: E402
 from parallel3d.training.checkpoint_integrity import CheckpointError  # noqa: E402
-from parallel3d.data.token_stats import check_tokens_fit_vocab  # noqa: E402
+from parallel3d.training.gpt import (  # noqa: E402
+    add_sampling_args,
+    check_data_fits_vocab,
+    forward_step,
+    layer_partition,
+    model_provider,
+    transformer_config_from_args,
+)
 from parallel3d.training.megatron_runtime import check_logging_available  # noqa: E402
 from parallel3d.data import (  # noqa: E402
     IndexedDatasetBuilder,
@@ -45,11 +51,6 @@ from parallel3d.data import (  # noqa: E402
     build_train_valid_test_datasets,
 )
 from parallel3d.models.generation import generate  # noqa: E402
-from parallel3d.pipeline.layout import LayoutError  # noqa: E402
-from parallel3d.pipeline.layout import layer_partition as pipeline_layer_partition  # noqa: E402
-from parallel3d.pipeline.registry import placement_of  # noqa: E402
-from parallel3d.planning.compute import head_cost_in_layers  # noqa: E402
-from parallel3d.device import default_device  # noqa: E402
 from parallel3d.lifetime import exit_with_launcher  # noqa: E402
 from parallel3d.training import initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
 from parallel3d.training.training_config import TrainingConfig  # noqa: E402
@@ -60,12 +61,6 @@ def print_once(message: str, file=sys.stdout) -> None:
     """Rank 0's line (torchrun sets RANK before any process group exists)."""
     if os.environ.get("RANK", "0") == "0":
         print(message, file=file, flush=True)
-
-
-def add_example_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("example")
-    g.add_argument("--sample-prompt", default=None, help="print a greedy continuation of this text at the end")
-    g.add_argument("--sample-tokens", type=int, default=64, help="length of the --sample-prompt continuation")
 
 
 # --------------------------------------------------------------------------------------- data
@@ -95,116 +90,6 @@ def default_data_prefix(tokenizer, tokenizer_id: str) -> str:
     return prefix
 
 
-def check_data_fits_vocab(data_path: list[str], vocab_size: int, tokenizer: str = "the tokenizer") -> None:
-    """Data tokenized for another vocabulary is a wrong pairing: say so before training, naming the file
-    (its token dtype, then its largest token id: recorded at preprocessing or scanned once and cached)."""
-    from parallel3d.data import IndexedDataset
-    from parallel3d.data.blended_dataset import get_blend_from_list
-
-    prefixes, _ = get_blend_from_list(data_path)
-    for prefix in prefixes:
-        for path in (prefix + ".idx", prefix + ".bin"):
-            if not os.path.isfile(path):
-                raise ArgumentError(f"--data-path: missing file {path}")
-        dtype = IndexedDataset(prefix).dtype
-        import numpy as np
-
-        if np.iinfo(dtype).max < vocab_size - 1:
-            raise ArgumentError(f"--data-path {prefix}: tokens are stored as {np.dtype(dtype).name}, which cannot "
-                                f"hold the tokenizer's vocabulary of {vocab_size}; re-run tools/preprocess_data.py "
-                                "with this tokenizer")
-        try:
-            check_tokens_fit_vocab(prefix, dtype, vocab_size, tokenizer)
-        except ValueError as e:
-            raise ArgumentError(f"--data-path: {e}") from None
-
-
-# --------------------------------------------------------------------------------------- model
-
-
-def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
-    return TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=args.vocab_size, seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size,
-        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
-        max_position_embeddings=args.max_position_embeddings,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu, activation="silu" if args.swiglu else "gelu_tanh" if args.openai_gelu else "gelu",
-        add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, seed=args.seed,
-        tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method or "uniform",
-        recompute_num_layers=args.recompute_num_layers or 1, bf16=args.bf16, fp16=args.fp16,
-        attention_backend=args.attention_backend, gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-        bias_activation_fusion=args.bias_gelu_fusion and args.bias_swiglu_fusion,
-        bias_dropout_fusion=args.bias_dropout_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
-        apply_rope_fusion=args.apply_rope_fusion, compile_layers=args.compile, compile_backend=args.compile_backend,
-        calculate_per_token_loss=args.calculate_per_token_loss,
-    )
-
-
-def layer_partition(args: argparse.Namespace, config: Optional[TransformerConfig] = None) -> list[list[range]]:
-    """result[pp_rank][chunk]: the global layers of each (virtual) pipeline stage.
-
-    ``config``: the model's, whose padded vocabulary weighs the output layer in the balanced split
-    (without it: --vocab-size)."""
-    pp, vp = args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size or 1
-    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
-    if vp != 1 and (first is not None or last is not None):
-        raise ArgumentError("--decoder-first/last-pipeline-num-layers need one chunk per pipeline rank")
-    vocab = config.padded_vocab_size if config is not None else args.vocab_size
-    head = head_cost_in_layers(args.hidden_size, args.seq_length, vocab, args.tensor_model_parallel_size > 1)
-    try:
-        return pipeline_layer_partition(
-            args.num_layers, pp, vp, placement_of(args.pipeline_schedule, vp),
-            layout=args.pipeline_model_parallel_layout, first_stage_layers=first, last_stage_layers=last,
-            account_for_embedding=args.account_for_embedding_in_pipeline_split,
-            account_for_loss=args.account_for_loss_in_pipeline_split, split=args.pipeline_split,
-            head_cost=head)
-    except LayoutError as e:
-        raise ArgumentError(str(e)) from None
-
-
-def model_provider(config: TransformerConfig, partition: list[list[range]], pre_process: bool, post_process: bool,
-                   vp_stage: int) -> GPTModel:
-    layers = partition[parallel_state.resolve_parallel_state().pipeline_model_parallel_rank][vp_stage]
-    return GPTModel(config, pre_process=pre_process, post_process=post_process, layer_numbers=layers)
-
-
-# --------------------------------------------------------------------------------------- steps
-
-
-def loss_func(loss_mask: torch.Tensor, per_token: bool, output_tensor: torch.Tensor):
-    """Mean of the per-token losses over the tokens that count (Megatron's loss_func)."""
-    mask = loss_mask.float().reshape(-1)
-    total = (output_tensor.float().reshape(-1) * mask).sum()
-    count = mask.sum()
-    if per_token:
-        return total, count.to(torch.int64), {"lm loss": (total.detach(), count.detach())}
-    loss = total / count.clamp(min=1)
-    return loss, {"lm loss": loss.detach()}
-
-
-def forward_step(per_token: bool, data_iterator, model):
-    """Megatron's contract: (output, loss_func). Middle stages read no data."""
-    dev = default_device()
-    batch = next(data_iterator) if (model.pre_process or model.post_process) else None
-    tokens = batch["tokens"].to(dev) if batch is not None and model.pre_process else None
-    position_ids = batch["position_ids"].to(dev) if batch is not None else None
-    labels = batch["labels"].to(dev) if batch is not None and model.post_process else None
-    output = model(tokens, position_ids, labels=labels)
-    loss_mask = batch["loss_mask"].to(dev) if labels is not None else None
-    return output, partial(loss_func, loss_mask, per_token)
-
-
 # --------------------------------------------------------------------------------------- sampling
 
 
@@ -226,7 +111,7 @@ def sample_continuation(model: list, tokenizer, config: TransformerConfig, promp
 
 def main(argv=None) -> dict:
     exit_with_launcher()  # a worker must not outlive a killed torchrun (parallel3d/lifetime.py)
-    args = parse_args(argv, extra_args_provider=add_example_args)
+    args = parse_args(argv, extra_args_provider=add_sampling_args)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         if args.use_checkpoint_args:

@@ -1,14 +1,13 @@
-"""A small GPT trained through examples/pretrain_gpt.py's model, forward step and loss, for the
-layout tests: the CPU sweep (tests/test_gpt_training.py) and the GPU suite (tests/gpu/).
+"""A small GPT trained through parallel3d.training.gpt's model, forward step and loss (those that
+examples/pretrain_gpt.py trains), for the layout tests: the CPU sweep (tests/test_gpt_training.py) and
+the GPU suite (tests/gpu/).
 
 ``train(args)`` runs ``pretrain`` on deterministic random tokens in whatever layout
 ``parallel_state`` was initialised with (or one process). ``layout_args`` builds the arguments of
 one layout; every layout of one family and precision trains the same model on the same data.
 """
-import importlib
 import io
 import os
-import sys
 from contextlib import redirect_stdout
 from functools import partial
 
@@ -17,11 +16,9 @@ import torch
 from parallel3d import parallel_state as ps
 from parallel3d.training.arguments import parse_args, validate_args
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed, split_tensor_for_rank
-from parallel3d.training import pretrain
+from parallel3d.training import gpt, pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-pretrain_gpt = importlib.import_module("pretrain_gpt")
 
 VOCAB, SEQ, MBS, GBS, ITERS = 300, 16, 2, 16, 3
 FAMILIES = {
@@ -58,18 +55,18 @@ def layout_args(family, tp=1, pp=1, vp=None, sp=False, extra=(), world=1, iters=
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
     ] + (["--virtual-pipeline-model-parallel-size", str(vp)] if vp and vp > 1 else []) \
       + (["--sequence-parallel"] if sp else []) + list(extra)
-    return validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), world)
+    return validate_args(parse_args(argv, extra_args_provider=gpt.add_sampling_args), world)
 
 
 def train(args, dataset_size=GBS * ITERS * 2):
-    config = pretrain_gpt.transformer_config_from_args(args)
-    partition = pretrain_gpt.layer_partition(args, config)
+    config = gpt.transformer_config_from_args(args)
+    partition = gpt.layer_partition(args, config)
     seed = args.seed + 100 * ps.resolve_parallel_state().pipeline_model_parallel_rank
     torch.manual_seed(seed)  # what training.initialize_distributed seeds
     model_parallel_cuda_manual_seed(seed)
     with redirect_stdout(io.StringIO()):
-        result = pretrain(args, partial(pretrain_gpt.model_provider, config, partition),
-                          partial(pretrain_gpt.forward_step, args.calculate_per_token_loss),
+        result = pretrain(args, partial(gpt.model_provider, config, partition),
+                          partial(gpt.forward_step, args.calculate_per_token_loss),
                           lambda n: (TokenDataset(dataset_size), None, None), model_config=config,
                           layer_numbers=[[list(r) for r in chunks] for chunks in partition])  # as pretrain_gpt.py
     return result

@@ -126,13 +126,13 @@ def test_a_bad_log_json_path_is_refused_before_init(tmp_path):
 
 
 def _fits(argv, world=1, capacity=64 * 2 ** 30, host=64 * 2 ** 30):
-    from gpt_harness import pretrain_gpt  # its --sample-prompt / --sample-tokens
+    from parallel3d.training import gpt  # its --sample-prompt / --sample-tokens
     from parallel3d.training.preflight import check_fits
 
-    args = validate_args(parse_args(["--vocab-size", "256"] + argv, extra_args_provider=pretrain_gpt.add_example_args),
+    args = validate_args(parse_args(["--vocab-size", "256"] + argv, extra_args_provider=gpt.add_sampling_args),
                          world)
     try:
-        check_fits(args, pretrain_gpt.transformer_config_from_args(args), (capacity, "64.0 GiB of the test device"),
+        check_fits(args, gpt.transformer_config_from_args(args), (capacity, "64.0 GiB of the test device"),
                    host)
     except ArgumentError as e:
         return e.problems
@@ -162,10 +162,10 @@ def test_absurd_sizes_are_refused_before_init_with_the_estimate_and_what_fits():
                       "continuation, more than the 64.0 GiB of the test device; at most about 16,777,216 tokens fit")
     assert _fits(sample + ["16777216"]) == []
     # the machine's own memory where none is given (host memory on CPU processes)
-    from gpt_harness import pretrain_gpt
+    from parallel3d.training import gpt
     from parallel3d.training.preflight import check_fits
 
     args = validate_args(parse_args(["--vocab-size", "256", "--hidden-size", "65536", "--num-attention-heads", "64"],
-                                    extra_args_provider=pretrain_gpt.add_example_args), 1)
+                                    extra_args_provider=gpt.add_sampling_args), 1)
     with pytest.raises(ArgumentError, match="GiB host memory per process"):
-        check_fits(args, pretrain_gpt.transformer_config_from_args(args))
+        check_fits(args, gpt.transformer_config_from_args(args))

@@ -21,7 +21,6 @@ from parallel3d.training.checkpointing import CheckpointError
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_faults import (  # noqa: E402
     RANK,
-    ROOT,
     ckpt_file,
     drop_checksums,
     edit_metadata,
@@ -143,8 +142,7 @@ def test_checkpoints_without_a_tracker_are_refused_naming_the_newest_and_the_fix
 
 
 def test_pretrain_refuses_a_save_dir_with_untracked_checkpoints_before_any_work(saved):
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import pretrain_gpt
+    from parallel3d.training import gpt
 
     from parallel3d.training import pretrain
     from parallel3d.training.arguments import parse_args, validate_args
@@ -156,7 +154,7 @@ def test_pretrain_refuses_a_save_dir_with_untracked_checkpoints_before_any_work(
         args = validate_args(parse_args(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
                                          "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "2",
                                          "--lr", "1e-3", "--vocab-size", "16", *flags],
-                                        extra_args_provider=pretrain_gpt.add_example_args), 1)
+                                        extra_args_provider=gpt.add_sampling_args), 1)
 
         def never(*args, **kwargs):
             raise AssertionError("pretrain built the model over untracked checkpoints")
@@ -263,14 +261,13 @@ def test_swapped_files_of_different_sizes_are_named_as_swapped(saved):
 
 
 def _config(*flags):
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import pretrain_gpt
+    from parallel3d.training import gpt
 
     from parallel3d.training.arguments import parse_args, validate_args
     args = parse_args(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
                        "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--vocab-size", "16", *flags],
-                      extra_args_provider=pretrain_gpt.add_example_args)
-    return pretrain_gpt.transformer_config_from_args(validate_args(args, 1)), args
+                      extra_args_provider=gpt.add_sampling_args)
+    return gpt.transformer_config_from_args(validate_args(args, 1)), args
 
 
 @pytest.mark.parametrize("flags,field", [
@@ -303,9 +300,8 @@ def test_use_checkpoint_args_takes_every_compared_field(tmp_path):
     _, args = _config("--load", save_dir, "--use-checkpoint-args")
     apply_checkpoint_args(args)
     from parallel3d.training.arguments import validate_args
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import pretrain_gpt
-    taken = pretrain_gpt.transformer_config_from_args(validate_args(args, 1))
+    from parallel3d.training import gpt
+    taken = gpt.transformer_config_from_args(validate_args(args, 1))
     assert taken.checkpoint_mismatches(json.loads(json.dumps(checkpointing._to_jsonable(saved_config)))) == []
 
 

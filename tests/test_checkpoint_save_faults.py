@@ -18,7 +18,6 @@ from parallel3d.training.safetensors_stream import StreamingSafetensorsWriter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_faults import (  # noqa: E402
-    ROOT,
     enospc,
     load_fresh,
     same_weights,
@@ -195,8 +194,7 @@ def test_unwritable_save_dir_is_refused_up_front(tmp_path, monkeypatch):
 
 
 def test_pretrain_checks_the_save_dir_before_building_anything(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import pretrain_gpt
+    from parallel3d.training import gpt
 
     from parallel3d.training.arguments import parse_args, validate_args
     from parallel3d.training import pretrain
@@ -206,7 +204,7 @@ def test_pretrain_checks_the_save_dir_before_building_anything(tmp_path):
     args = validate_args(parse_args(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
                                      "--seq-length", "8", "--micro-batch-size", "1", "--train-iters", "2",
                                      "--lr", "1e-3", "--vocab-size", "16", "--save", str(blocker / "ckpt")],
-                                    extra_args_provider=pretrain_gpt.add_example_args), 1)
+                                    extra_args_provider=gpt.add_sampling_args), 1)
 
     def never(*args, **kwargs):
         raise AssertionError("pretrain built the model before checking --save")

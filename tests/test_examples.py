@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from parallel3d.training import gpt
 from parallel3d.training.arguments import ArgumentError, parse_args, validate_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,17 +46,16 @@ def test_demo_command_trains_saves_and_samples(tmp_path):
 def _demo():
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import demo
-    import pretrain_gpt
 
-    return demo, pretrain_gpt
+    return demo
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2, 3, 4, 8])
 def test_demo_arguments_fit_each_machine(gpus, tmp_path):
     """The demo's flags pass validate_args for its process count: CPU model on a CPU, GPT-2 small on GPUs."""
-    demo, pretrain_gpt = _demo()
+    demo = _demo()
     nproc, argv = demo.demo_args(gpus, [], str(tmp_path))
-    args = validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), nproc)
+    args = validate_args(parse_args(argv, extra_args_provider=gpt.add_sampling_args), nproc)
     assert (args.num_layers, args.hidden_size) == ((12, 768) if gpus else (4, 128))
     assert args.bf16 == bool(gpus) and args.save == str(tmp_path / "demo_checkpoint")
     assert nproc == {0: 8, 1: 1, 2: 2, 3: 2, 4: 4, 8: 8}[gpus]
@@ -66,10 +66,10 @@ def test_demo_arguments_fit_each_machine(gpus, tmp_path):
 
 def test_demo_with_few_iterations_scales_its_warmup(tmp_path):
     """python3 examples/demo.py --train-iters 10 used to fail 8 times over (warmup 20 >= decay 10)."""
-    demo, pretrain_gpt = _demo()
+    demo = _demo()
     nproc, argv = demo.demo_args(0, ["--train-iters", "10"], str(tmp_path))
-    args = validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), nproc)
+    args = validate_args(parse_args(argv, extra_args_provider=gpt.add_sampling_args), nproc)
     assert (args.train_iters, args.lr_warmup_iters) == (10, 1)
     _, argv = demo.demo_args(0, ["--train-iters", "10", "--lr-warmup-iters", "30"], str(tmp_path))
     with pytest.raises(ArgumentError, match=r"--lr-warmup-iters \(30\) must be < --lr-decay-iters \(10"):
-        validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), nproc)
+        validate_args(parse_args(argv, extra_args_provider=gpt.add_sampling_args), nproc)

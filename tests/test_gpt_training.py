@@ -1,11 +1,12 @@
 """GPT training end to end: every layout trains exactly like one process; resume is exact.
 
-The reference is the same ``pretrain`` (examples/pretrain_gpt.py's model, forward
+The reference is the same ``pretrain`` (parallel3d.training.gpt's model, forward
 step and loss) run in this pytest process with world size 1; one launch of 8
 gloo processes then trains the same model, seed and data under TP/SP/PP/VPP/DP
 mixes (both families, ZeRO-1 in some) and compares the per-iteration losses,
 the gradient norms and every weight after 3 Adam steps.
 """
+import importlib
 import io
 import os
 import subprocess
@@ -15,8 +16,8 @@ from contextlib import redirect_stderr
 import pytest
 import torch
 
-from gpt_harness import FAMILIES, ROOT, full_weights, layout_args, pretrain_gpt, shards_against, train
-from parallel3d.training import checkpointing
+from gpt_harness import FAMILIES, ROOT, full_weights, layout_args, shards_against, train
+from parallel3d.training import checkpointing, gpt
 from parallel3d.training.arguments import parse_args
 from parallel3d.training.checkpoint_args import apply_checkpoint_args
 from parallel3d.tools import generate as generate_tool
@@ -195,8 +196,8 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
     result = train(args)
     model = result["model"]
     save_dir = str(tmp_path)
-    checkpointing.save_checkpoint(save_dir, 1, model, model_config=pretrain_gpt.transformer_config_from_args(args))
-    other = pretrain_gpt.transformer_config_from_args(layout_args("llama"))
+    checkpointing.save_checkpoint(save_dir, 1, model, model_config=gpt.transformer_config_from_args(args))
+    other = gpt.transformer_config_from_args(layout_args("llama"))
     with pytest.raises(checkpointing.CheckpointError, match="holds another model: num_layers|holds another model"):
         checkpointing.load_checkpoint(save_dir, model, model_config=other)
     os.remove(os.path.join(save_dir, "iter_0000001", "mp_rank_00_000", "model.safetensors"))
@@ -214,6 +215,9 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
 
 
 def _main_error(argv, world_size, monkeypatch):
+    """examples/pretrain_gpt.py's main() itself: its exit status and message."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    pretrain_gpt = importlib.import_module("pretrain_gpt")
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     err = io.StringIO()
     with redirect_stderr(err), pytest.raises(SystemExit) as info:
@@ -281,7 +285,7 @@ def _other_split(rank, world_size, save_dir):
         args.load = save_dir
         resumed = train(args)["losses"]  # the layout the error names resumes
         argv = ["--load", save_dir, "--use-checkpoint-args", "--pipeline-model-parallel-size", "7"]
-        args = parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args)
+        args = parse_args(argv, extra_args_provider=gpt.add_sampling_args)
         apply_checkpoint_args(args)
         # generation builds the chunks with the layers they were trained with (here 5 | 3, not 4 | 4)
         uneven = layout_args("gpt2", 1, 2, extra=["--pipeline-model-parallel-layout", "Ettttt|tttL"],

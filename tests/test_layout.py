@@ -52,36 +52,40 @@ def test_account_for_embedding_and_loss():
 
 
 def test_pretrain_script_partition_from_the_flags():
-    from gpt_harness import layout_args, pretrain_gpt
+    from gpt_harness import layout_args
+
+    from parallel3d.training import gpt
     from parallel3d.training.arguments import ArgumentError
 
     args = layout_args("gpt2", pp=4, extra=["--pipeline-model-parallel-layout", "Ettt|tt|tt|tL"], world=4)
-    assert [len(r[0]) for r in pretrain_gpt.layer_partition(args)] == [3, 2, 2, 1]
+    assert [len(r[0]) for r in gpt.layer_partition(args)] == [3, 2, 2, 1]
     args = layout_args("gpt2", pp=2, vp=2, extra=["--pipeline-schedule", "zb-v", "--account-for-loss-in-pipeline-split",
                                                   "--account-for-embedding-in-pipeline-split"], world=2)
     # 8 layers + E + L over 4 stages: [2, 3, 3, 2] (inner stages first) -> [1, 3, 3, 1];
     # the V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
-    assert pretrain_gpt.layer_partition(args) == [[range(0, 1), range(7, 8)], [range(1, 4), range(4, 7)]]
+    assert gpt.layer_partition(args) == [[range(0, 1), range(7, 8)], [range(1, 4), range(4, 7)]]
     args = layout_args("gpt2", pp=2, extra=["--pipeline-model-parallel-layout", "Ettt|tttL"], world=2)
     with pytest.raises(ArgumentError, match="it would drop 2 layer"):
-        pretrain_gpt.layer_partition(args)
+        gpt.layer_partition(args)
 
 
 def test_a_layer_total_the_stages_do_not_divide():
     """As Megatron with a layout: 6 layers on 4 stages train when a layout (or the balanced split) places
     them; the even split refuses them by name."""
-    from gpt_harness import layout_args, pretrain_gpt
+    from gpt_harness import layout_args
+
+    from parallel3d.training import gpt
     from parallel3d.training.arguments import ArgumentError
 
     six = ["--num-layers", "6"]
     args = layout_args("gpt2", pp=4, extra=six + ["--pipeline-model-parallel-layout", "Et|tt|tt|tL"], world=4)
-    config = pretrain_gpt.transformer_config_from_args(args)
-    assert [len(r[0]) for r in pretrain_gpt.layer_partition(args, config)] == [1, 2, 2, 1]
+    config = gpt.transformer_config_from_args(args)
+    assert [len(r[0]) for r in gpt.layer_partition(args, config)] == [1, 2, 2, 1]
     args = layout_args("gpt2", pp=4, extra=six, world=4)
-    assert sum(len(r[0]) for r in pretrain_gpt.layer_partition(args, pretrain_gpt.transformer_config_from_args(args))) == 6
+    assert sum(len(r[0]) for r in gpt.layer_partition(args, gpt.transformer_config_from_args(args))) == 6
     args = layout_args("gpt2", pp=4, extra=six + ["--pipeline-split", "even"], world=4)
     with pytest.raises(ArgumentError, match=r"num_layers \(6\) is not divisible by .* = 4: no even split"):
-        pretrain_gpt.layer_partition(args, pretrain_gpt.transformer_config_from_args(args))
+        gpt.layer_partition(args, gpt.transformer_config_from_args(args))
 
 
 def test_layout_string_wins_then_explicit_first_last():

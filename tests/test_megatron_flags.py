@@ -234,7 +234,9 @@ def test_readme_flag_table_matches_the_parser():
 def test_rampup_with_train_samples_trains_to_the_end_on_the_samples_it_consumes():
     """Issue 30 item 2: the dataset was sized train_iters x the ramp's first batch, so the run ran out of data."""
     from functools import partial
-    from gpt_harness import FAMILIES, SEQ, VOCAB, TokenDataset, pretrain_gpt
+    from gpt_harness import FAMILIES, SEQ, VOCAB, TokenDataset
+
+    from parallel3d.training import gpt
     from parallel3d.training import pretrain
     from parallel3d.training.megatron_args import samples_consumed
     from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
@@ -243,7 +245,7 @@ def test_rampup_with_train_samples_trains_to_the_end_on_the_samples_it_consumes(
         "--seq-length", str(SEQ), "--vocab-size", str(VOCAB), "--micro-batch-size", "2", "--global-batch-size", "8",
         "--train-samples", "100", "--rampup-batch-size", "2", "2", "24", "--lr-decay-samples", "80",
         "--log-interval", "1000", "--eval-interval", "1000", "--no-progress-bar"]
-    args = validate_args(parse_args(argv, extra_args_provider=pretrain_gpt.add_example_args), 1)
+    args = validate_args(parse_args(argv, extra_args_provider=gpt.add_sampling_args), 1)
     requested, read = [], set()
 
     class Counted(TokenDataset):  # exactly as many samples as asked for, as GPTDataset may give
@@ -255,11 +257,11 @@ def test_rampup_with_train_samples_trains_to_the_end_on_the_samples_it_consumes(
         requested.append(num_samples[0])
         return Counted(num_samples[0]), None, None
 
-    config = pretrain_gpt.transformer_config_from_args(args)
-    partition = pretrain_gpt.layer_partition(args, config)
+    config = gpt.transformer_config_from_args(args)
+    partition = gpt.layer_partition(args, config)
     model_parallel_cuda_manual_seed(args.seed)  # what training.initialize_distributed seeds
-    result = pretrain(args, partial(pretrain_gpt.model_provider, config, partition),
-                      partial(pretrain_gpt.forward_step, False), datasets, model_config=config)
+    result = pretrain(args, partial(gpt.model_provider, config, partition),
+                      partial(gpt.forward_step, False), datasets, model_config=config)
     # batches 2,2,2,2 (8 samples), 4,4 (16), 6,6 (28), then 8 x 9: 100 samples in 17 iterations
     assert (args.train_iters, result["iteration"]) == (17, 17)
     assert samples_consumed(args, args.train_iters) == 100 == len(read) and requested == [100]

@@ -7,7 +7,9 @@ import os
 import pytest
 import torch
 
-from gpt_harness import layout_args, pretrain_gpt, train
+from gpt_harness import layout_args, train
+
+from parallel3d.training import gpt
 from parallel3d.planning import GemmCurve, Layout, ModelSpec, estimate, get_cluster, load_cluster
 from parallel3d.planning.hardware import cluster_from_dict
 from parallel3d.planning.memory import static_bytes
@@ -51,7 +53,7 @@ def _allocated(result):
 def test_static_memory_matches_the_real_optimizers(family, extra):
     args = layout_args(family, extra=extra, iters=2)
     result = train(args)  # two Adam steps: every state tensor exists
-    model = ModelSpec.from_config(pretrain_gpt.transformer_config_from_args(args))
+    model = ModelSpec.from_config(gpt.transformer_config_from_args(args))
     assert model.total_params() == sum(p.numel() for p in result["model"][0].module.parameters())
     zero = "--use-distributed-optimizer" in extra
     layout = Layout(use_distributed_optimizer=zero, bf16="--bf16" in extra, global_batch_size=args.global_batch_size)

@@ -5,7 +5,6 @@ import dataclasses
 
 import pytest
 
-from gpt_harness import pretrain_gpt
 from parallel3d.pipeline.layout import layers_per_virtual_stage
 from parallel3d.planning.compute import head_cost_in_layers
 from parallel3d.pipeline.registry import ZERO_BUBBLE
@@ -14,9 +13,10 @@ from parallel3d.planning import Layout, ModelSpec, estimate, get_cluster
 from parallel3d.planning.memory import layer_activation_bytes, memory_breakdown, rank_chunks
 from parallel3d.planning.step import stage_costs
 from parallel3d.tensor_parallel.cross_entropy import loss_memory_per_logit
+from parallel3d.training import gpt
+from parallel3d.training.arguments import parse_args, validate_args
 
 LOGIT_BYTES, LOGIT_SAVED_BYTES = loss_memory_per_logit(tensor_parallel=False)
-from parallel3d.training.arguments import parse_args, validate_args
 
 CLUSTER = get_cluster("h100-sxm")
 # Small enough to simulate in a blink, 8 layers so zb-v / dualpipev get 2 x PP chunks at PP=4.
@@ -127,7 +127,7 @@ def _parsed(*extra: str):
 ])
 def test_layout_from_args_round_trip(extra, schedule, split, V):
     args = _parsed(*extra)
-    model, layout = ModelSpec.from_config(pretrain_gpt.transformer_config_from_args(args)), Layout.from_args(args)
+    model, layout = ModelSpec.from_config(gpt.transformer_config_from_args(args)), Layout.from_args(args)
     assert (layout.pipeline_schedule, layout.pipeline_split, layout.virtual_stages(model)) == (schedule, split, V)
     assert layout.virtual_stages(model) == (args.virtual_pipeline_model_parallel_size or 1)
     assert (layout.pp, layout.dp, layout.num_microbatches) == (
@@ -167,14 +167,14 @@ def test_linear_extension_holds_for_zero_bubble_schedules(name, V, monkeypatch):
     (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v", "--global-batch-size", "32"], 2),
 ])
 def test_planner_places_the_layers_where_training_does(argv, world):
-    """The planner's layer split is pretrain_gpt's, TP's loss (a larger head cost) included."""
+    """The planner's layer split is training's (parallel3d.training.gpt), TP's loss (a larger head cost) included."""
     from parallel3d.planning.memory import layer_partition
 
-    gpt = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+    shape = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
            "--vocab-size", "50257", "--micro-batch-size", "4"]
-    args = validate_args(parse_args(gpt + argv, extra_args_provider=pretrain_gpt.add_example_args), world)
-    config = pretrain_gpt.transformer_config_from_args(args)
-    training = pretrain_gpt.layer_partition(args, config)
+    args = validate_args(parse_args(shape + argv, extra_args_provider=gpt.add_sampling_args), world)
+    config = gpt.transformer_config_from_args(args)
+    training = gpt.layer_partition(args, config)
     assert layer_partition(ModelSpec.from_config(config), Layout.from_args(args)) == training
 
 

@@ -5,7 +5,9 @@ import shlex
 
 import pytest
 
-from gpt_harness import layout_args, pretrain_gpt, train
+from gpt_harness import layout_args, train
+
+from parallel3d.training import gpt
 from parallel3d import parallel_state as ps
 from parallel3d.testing import run_distributed
 from parallel3d.tools.convert_checkpoint import convert, main as convert_main
@@ -26,7 +28,7 @@ def _pp2_balanced_then_converted(rank, world_size, save_dir, converted):
         dist.barrier()
         args = layout_args("gpt2", 1, 2, world=world_size, iters=4)
         args.load = converted
-        partition = pretrain_gpt.layer_partition(args, pretrain_gpt.transformer_config_from_args(args))
+        partition = gpt.layer_partition(args, gpt.transformer_config_from_args(args))
         took = take_checkpoint_split(args, partition)  # what examples/pretrain_gpt.py does before training
         try:
             train(args)

@@ -4,7 +4,6 @@ In-process tests run pretrain() at world size 1 on a tiny GPT; the multi-process
 examples/pretrain_gpt.py under torchrun (gloo CPU ranks) with a timeout, and kill every
 process they started (SIGSTOPped ones included) in a ``finally``.
 """
-import importlib
 import io
 import math
 import os
@@ -22,13 +21,11 @@ import torchrun
 
 from parallel3d.training import checkpointing
 from parallel3d.training.arguments import parse_args, validate_args
-from parallel3d.training import pretrain
+from parallel3d.training import gpt, pretrain
 from parallel3d.training.training_guards import StepGuard, TrainingError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_gpt.py")
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-pretrain_gpt = importlib.import_module("pretrain_gpt")
 
 VOCAB, SEQ = 64, 8
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", str(SEQ),
@@ -49,8 +46,8 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def _nan_at(calls: set, data_iterator, model):
-    """pretrain_gpt's forward step, with the loss of the listed microbatch calls (0-based) made NaN."""
-    output, loss_func = pretrain_gpt.forward_step(False, data_iterator, model)
+    """The GPT forward step (parallel3d.training.gpt), with the loss of the listed microbatch calls (0-based) made NaN."""
+    output, loss_func = gpt.forward_step(False, data_iterator, model)
     n = _nan_at.count = getattr(_nan_at, "count", 0) + 1
 
     def poisoned(out):
@@ -65,14 +62,14 @@ def _nan_at(calls: set, data_iterator, model):
 
 def _train(argv, nan_calls=()):
     args = validate_args(parse_args(TINY + ["--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "8"]
-                                    + argv, extra_args_provider=pretrain_gpt.add_example_args), 1)
-    config = pretrain_gpt.transformer_config_from_args(args)
-    partition = pretrain_gpt.layer_partition(args, config)
+                                    + argv, extra_args_provider=gpt.add_sampling_args), 1)
+    config = gpt.transformer_config_from_args(args)
+    partition = gpt.layer_partition(args, config)
     _nan_at.count = 0
     out = io.StringIO()
     try:
         with redirect_stdout(out):
-            result = pretrain(args, partial(pretrain_gpt.model_provider, config, partition),
+            result = pretrain(args, partial(gpt.model_provider, config, partition),
                               partial(_nan_at, set(nan_calls)), lambda n: (Tokens(), None, None), model_config=config)
     finally:
         sys.stdout.write(out.getvalue())

@@ -31,6 +31,7 @@ from parallel3d.pipeline.visualize import text_timeline  # noqa: E402
 from parallel3d.planning import PRESETS, Layout, ModelSpec, StepEstimate, estimate, get_cluster, load_cluster  # noqa: E402
 from parallel3d.planning.search import search  # noqa: E402
 from parallel3d.training.arguments import build_parser as training_parser  # noqa: E402
+from parallel3d.training.gpt import add_sampling_args  # noqa: E402
 
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                 "micro_batch_size", "recompute_granularity", "pipeline_schedule")
@@ -45,8 +46,7 @@ def _training_flags(rest: list[str], p: argparse.ArgumentParser) -> None:
     """Check the flags plan.py has no use for as pretrain_gpt.py's (a typo is still refused); note the
     ones that would change the step without the planner knowing."""
     training = training_parser()
-    training.add_argument("--sample-prompt")  # examples/pretrain_gpt.py's own two flags
-    training.add_argument("--sample-tokens")
+    add_sampling_args(training)  # examples/pretrain_gpt.py's own two flags
     known, unknown = training.parse_known_args(rest)
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
