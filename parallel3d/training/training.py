@@ -38,19 +38,13 @@ from parallel3d.data import build_pretraining_data_loader
 from parallel3d.distributed import DistributedDataParallel, OptimizerParamScheduler, finalize_model_grads, \
     get_megatron_optimizer
 from parallel3d.pipeline import forward_backward
+from parallel3d.planning.hardware import datasheet_peak_tflops
 from parallel3d.pipeline.schedules import placement_of, virtual_stage
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
 from parallel3d.training.checkpoint_lock import save_dir_guard
 from parallel3d.training.megatron_args import samples_consumed
 from parallel3d.training.training_config import TrainingConfig, as_training_config
 from parallel3d.training.training_guards import ExitSignalHandler, StepGuard
-
-# Dense bf16 peak per GPU, for MFU when --peak-tflops is not given (vendor datasheets), keyed by
-# torch.cuda.get_device_name() exactly: "A10" must not match an A10G, nor an H100 PCIe the SXM part.
-_PEAK_TFLOPS = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0,
-                "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100-SXM4-40GB": 312.0, "NVIDIA A100-PCIE-40GB": 312.0,
-                "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA L40S": 362.0, "NVIDIA A10": 125.0}
-
 
 def print_rank_0(*args: Any) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -271,7 +265,7 @@ def peak_tflops(args: Any) -> Optional[float]:
     """``args.peak_tflops`` (the logging config's, or the arguments'), else the card's datasheet figure."""
     if args.peak_tflops:
         return args.peak_tflops
-    return _PEAK_TFLOPS.get(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    return datasheet_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
 class TrainingLogger:
