@@ -37,7 +37,7 @@ from parallel3d.training.preflight import check_fits  # noqa: E402
 from parallel3d.training.checkpoint_args import apply_checkpoint_args, take_checkpoint_split  # noqa: E402
 from parallel3d.training.checkpoint_integrity import CheckpointError  # noqa: E402
 from parallel3d.data.token_stats import check_tokens_fit_vocab  # noqa: E402
-from parallel3d.training.megatron_runtime import check_logging_available  # noqa: E402
+from parallel3d.training.log_sinks import check_logging_available  # noqa: E402
 from parallel3d.data import (  # noqa: E402
     IndexedDatasetBuilder,
     best_fitting_dtype,

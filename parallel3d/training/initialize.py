@@ -1,18 +1,19 @@
-"""Setting up a run (Megatron's ``initialize`` and ``get_model``): the process groups and seeds, this rank's
-model chunks wrapped in DDP, the LR schedule; ``print_rank_0`` / ``is_last_rank`` for messages.
+"""Setting up a run (Megatron's ``initialize`` and ``get_model``): the process groups and seeds (a run
+without a launcher as one process), this rank's model chunks wrapped in DDP, the LR schedule;
+``print_rank_0`` / ``is_last_rank`` for messages.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import os
+import socket
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from parallel3d import parallel_state
-from parallel3d.training import megatron_runtime
 from parallel3d.device import default_backend, default_device
 from parallel3d.distributed_timeout import prepare_process_groups, start_watchdog
 from parallel3d.distributed import DistributedDataParallel, OptimizerParamScheduler
@@ -30,12 +31,24 @@ def is_last_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
 
 
+def single_process_env() -> bool:
+    """Without a launcher (no RANK set, as ``python3 examples/pretrain_gpt.py``): become rank 0 of 1 on a
+    free local port, instead of torch's "environment variable RANK expected". True when it did so."""
+    if "RANK" in os.environ or dist.is_initialized():
+        return False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return True
+
+
 def initialize_distributed(config: TrainingConfig | argparse.Namespace) -> None:
     """Process group (nccl with GPUs, gloo without), model-parallel groups, seeds."""
     config = as_training_config(config)
     loop, layout = config.loop, config.layout
     backend = loop.distributed_backend or default_backend()
-    if megatron_runtime.single_process_env():
+    if single_process_env():
         print_rank_0("no launcher (torchrun) environment: running as a single process")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

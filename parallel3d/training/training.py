@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from parallel3d.training import checkpointing, megatron_runtime
+from parallel3d.training import checkpointing
 from parallel3d.device import default_device
 from parallel3d.distributed_timeout import CommunicationError
 from parallel3d.distributed import get_megatron_optimizer
@@ -30,9 +30,10 @@ from parallel3d.training.checkpoint_lock import save_dir_guard
 from parallel3d.training.data_iterators import build_data_iterators
 from parallel3d.training.evaluation import evaluate
 from parallel3d.training.initialize import get_model, get_optimizer_param_scheduler, print_rank_0
+from parallel3d.training.resume import load_for_training
 from parallel3d.training.step import LossAverager, train_step
 from parallel3d.training.training_config import TrainingConfig, as_training_config
-from parallel3d.training.training_guards import ExitSignalHandler, StepGuard
+from parallel3d.training.training_guards import DurationLimit, ExitSignalHandler, StepGuard
 from parallel3d.training.training_logger import TrainingLogger
 
 
@@ -70,7 +71,7 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
     optimizer = get_megatron_optimizer(config.optimizer, model)
     scheduler = get_optimizer_param_scheduler(optimizer, config)
 
-    iteration, consumed_train, consumed_valid = megatron_runtime.load_for_training(
+    iteration, consumed_train, consumed_valid = load_for_training(
         config, model, optimizer, scheduler, model_config, print_rank_0)
 
     train_iter, valid_iter = build_data_iterators(datasets_provider, config, consumed_train, consumed_valid, len(model))
@@ -91,7 +92,7 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
     last_saved = None
     train_losses, eval_losses = LossAverager(), LossAverager()
     guard, stopped_by_signal = StepGuard(loop), False
-    duration = megatron_runtime.DurationLimit(loop.exit_duration_in_mins)
+    duration = DurationLimit(loop.exit_duration_in_mins)
     for chunk in model:
         chunk.train()
     while iteration < loop.train_iters:

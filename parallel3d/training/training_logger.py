@@ -14,8 +14,8 @@ import torch
 
 from parallel3d import progress
 from parallel3d.planning.hardware import datasheet_peak_tflops
-from parallel3d.training import megatron_runtime
 from parallel3d.training.initialize import is_last_rank
+from parallel3d.training.log_sinks import TensorBoardSink, WandbSink
 from parallel3d.training.training_config import TrainingConfig, as_training_config
 
 
@@ -40,9 +40,9 @@ class TrainingLogger:
         args = self.config.logging
         self.active = is_last_rank()  # the last rank holds the losses (Megatron logs there too)
         self.json = open(args.log_json, "a") if (self.active and args.log_json) else None
-        self.tb = megatron_runtime.TensorBoardSink(args.tensorboard_dir) \
+        self.tb = TensorBoardSink(args.tensorboard_dir) \
             if (self.active and args.tensorboard_dir) else None
-        self.wandb = megatron_runtime.WandbSink(args, self.config.run_args()) \
+        self.wandb = WandbSink(args, self.config.run_args()) \
             if (self.active and args.wandb_project) else None
         self.bar = (progress.make_bar(self.config.loop.train_iters, "training", stream=sys.stdout,
                                       initial=start_iteration)
