@@ -17,7 +17,8 @@ from parallel3d import parallel_state
 from parallel3d.device import default_backend, default_device
 from parallel3d.distributed_timeout import prepare_process_groups, start_watchdog
 from parallel3d.distributed import DistributedDataParallel, OptimizerParamScheduler
-from parallel3d.pipeline.schedules import placement_of, virtual_stage
+from parallel3d.pipeline.registry import placement_of
+from parallel3d.pipeline.schedules import virtual_stage
 from parallel3d.tensor_parallel import model_parallel_cuda_manual_seed
 from parallel3d.training.training_config import TrainingConfig, as_training_config
 
