@@ -148,11 +148,6 @@ DATASHEET_PEAK_TFLOPS = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4, "
                          "NVIDIA A10": 125.0}
 
 
-def datasheet_peak_tflops(device_name: str) -> float | None:
-    """The card's dense bf16 datasheet peak, or None for a card the table does not know."""
-    return DATASHEET_PEAK_TFLOPS.get(device_name)
-
-
 # H100 SXM: 989.4 TFLOP/s dense bf16.  The curve is GemmCurve.fit of the 12 GEMMs measured by
 # bench/calibrate_planner.py on 2 x H100 80GB HBM3 (2026-11-26; bench/clusters/h100-sxm-2x.json):
 # 776 TFLOP/s at 8192^3 (curve 780), 582-754 at GPT-1.3B's layer shapes.  The weight-gradient GEMM
@@ -222,4 +217,4 @@ def get_cluster(name: str) -> ClusterSpec:
 
 
 __all__ = ["GIB", "DATASHEET_PEAK_TFLOPS", "GemmCurve", "ClusterSpec", "PRESETS", "get_cluster", "load_cluster",
-           "cluster_from_dict", "datasheet_peak_tflops"]
+           "cluster_from_dict"]

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from parallel3d import progress
-from parallel3d.planning.hardware import datasheet_peak_tflops
+from parallel3d.planning.hardware import DATASHEET_PEAK_TFLOPS
 from parallel3d.training.initialize import is_last_rank
 from parallel3d.training.log_sinks import TensorBoardSink, WandbSink
 from parallel3d.training.training_config import TrainingConfig, as_training_config
@@ -29,7 +29,7 @@ def peak_tflops(args: Any) -> Optional[float]:
     """``args.peak_tflops`` (the logging config's, or the arguments'), else the card's datasheet figure."""
     if args.peak_tflops:
         return args.peak_tflops
-    return datasheet_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    return DATASHEET_PEAK_TFLOPS.get(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
 
 
 class TrainingLogger:
