@@ -43,7 +43,7 @@ from parallel3d.training.gpt import (  # noqa: E402
     model_provider,
     transformer_config_from_args,
 )
-from parallel3d.training.megatron_runtime import check_logging_available  # noqa: E402
+from parallel3d.training.log_sinks import check_logging_available  # noqa: E402
 from parallel3d.data import (  # noqa: E402
     IndexedDatasetBuilder,
     best_fitting_dtype,

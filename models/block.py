@@ -13,7 +13,9 @@ from parallel3d.fused import bias_dropout_add
 from .attention import InferenceParams, SelfAttention
 from .config import TransformerConfig
 from .mlp import MLP
-from .ops import Norm, dropout_rng, init_rng, plain_bias_dropout_add
+from .norm import Norm
+from .ops import plain_bias_dropout_add
+from .rng import dropout_rng, init_rng
 
 
 class TransformerLayer(nn.Module):

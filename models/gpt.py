@@ -54,7 +54,7 @@ from parallel3d.tensor_parallel.utils import group_rank_and_size, resolve_tp_gro
 from .attention import InferenceParams
 from .block import TransformerBlock
 from .config import TransformerConfig
-from .ops import dropout_rng, init_rng, vocab_init
+from .rng import dropout_rng, init_rng, vocab_init
 
 # --- embedding ----------------------------------------------------------------------------------
 

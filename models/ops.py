@@ -1,20 +1,10 @@
-"""The elementwise ops of the GPT layers (fused kernels and plain PyTorch), init and dropout RNG helpers, Norm."""
+"""The plain PyTorch compositions of the GPT layers' elementwise ops (the unfused path of each fused op)."""
 from __future__ import annotations
 
-import contextlib
-import zlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from parallel3d.device import default_device
-from parallel3d.fused import layer_norm, rms_norm
-from parallel3d.tensor_parallel import get_cuda_rng_tracker
-from parallel3d.tensor_parallel.layers import InitMethod
-
-from .config import TransformerConfig
 
 _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 
@@ -65,61 +55,3 @@ def plain_scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float) -> t
     sq, sk = x.shape[-2:]
     future = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(1)
     return torch.softmax((x * scale).masked_fill(future, float("-inf")), dim=-1)
-
-
-# --- helpers ------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def init_rng(seed: int, part: str):
-    """Draw initial values for ``part`` from their own CPU sub-seed; restore the caller's RNG after.
-
-    Only the CPU generator is touched (all masters are initialised on the CPU), so the
-    accelerator's dropout streams are left alone.
-    """
-    state = torch.get_rng_state()
-    torch.default_generator.manual_seed(zlib.crc32(f"{seed}/{part}".encode()))
-    try:
-        yield
-    finally:
-        torch.set_rng_state(state)
-
-
-def vocab_init(init_method: InitMethod, vocab_size: int) -> InitMethod:
-    """Initialise the real vocabulary rows, zero the padding (as VocabParallelEmbedding does)."""
-
-    def init_(weight: torch.Tensor) -> None:
-        weight.zero_()
-        init_method(weight[:vocab_size])
-
-    return init_
-
-
-def dropout_rng(sequence_parallel: bool, active: bool):
-    """Hidden dropout under sequence parallelism (each TP rank holds another part of the sequence) runs on the
-    per-rank tracked stream; without it the hidden states are replicated over TP and every rank draws the
-    same mask from the default stream. (Attention dropout, on TP-split heads, always forks: attention.py.)"""
-    return get_cuda_rng_tracker().fork() if (sequence_parallel and active) else contextlib.nullcontext()
-
-
-class Norm(nn.Module):
-    """LayerNorm (weight, bias) or RMSNorm (weight) over the hidden dim, statistics in fp32."""
-
-    def __init__(self, config: TransformerConfig, hidden_size: int):
-        super().__init__()
-        self.rms = config.normalization == "RMSNorm"
-        self.eps = config.layernorm_epsilon
-        self.fused = config.normalization_fusion
-        device, dtype = default_device(), config.params_dtype
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
-        if self.rms:
-            self.register_parameter("bias", None)
-        else:
-            self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
-        # Under SP a norm sees a sequence shard: its gradient must be summed over TP.
-        for p in self.parameters():
-            p.sequence_parallel = config.sequence_parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rms:
-            return (rms_norm if self.fused else plain_rms_norm)(x, self.weight, self.eps)
-        return (layer_norm if self.fused else plain_layer_norm)(x, self.weight, self.bias, self.eps)

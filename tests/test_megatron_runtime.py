@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from parallel3d import progress
-from parallel3d.training import megatron_runtime
+from parallel3d.training.log_sinks import check_logging_available
+from parallel3d.training.resume import CheckedScheduler, ScheduleMismatchError
+from parallel3d.training.training_guards import DurationLimit
 from parallel3d.training.arguments import parse_args, validate_args
 from parallel3d.training.checkpoint_args import apply_checkpoint_args
 from parallel3d.distributed import OptimizerParamScheduler
@@ -96,22 +98,22 @@ def test_checked_scheduler_follows_megatrons_three_rules():
     args = validate_args(parse_args(["--global-batch-size", "4", "--micro-batch-size", "4"]), 1)
     saved = _scheduler(10).state_dict() | {"num_steps": 20}
     mine = _scheduler(20)
-    with pytest.raises(megatron_runtime.ScheduleMismatchError, match="--lr-decay-iters: checkpoint 10, this run 20"):
-        megatron_runtime.CheckedScheduler(mine, args).load_state_dict(saved)
+    with pytest.raises(ScheduleMismatchError, match="--lr-decay-iters: checkpoint 10, this run 20"):
+        CheckedScheduler(mine, args).load_state_dict(saved)
     args.override_opt_param_scheduler = True
-    megatron_runtime.CheckedScheduler(mine, args).load_state_dict(saved)
+    CheckedScheduler(mine, args).load_state_dict(saved)
     assert (mine.lr_decay_steps, mine.num_steps) == (80, 20)  # this run's schedule at the checkpoint's step
     args.override_opt_param_scheduler, args.use_checkpoint_opt_param_scheduler = False, True
-    megatron_runtime.CheckedScheduler(mine, args).load_state_dict(saved)
+    CheckedScheduler(mine, args).load_state_dict(saved)
     assert (mine.lr_decay_steps, mine.num_steps) == (40, 20)
 
 
 def test_exit_duration_limit():
-    assert not megatron_runtime.DurationLimit(None).reached()
-    assert not megatron_runtime.DurationLimit(5.0).reached()
+    assert not DurationLimit(None).reached()
+    assert not DurationLimit(5.0).reached()
     import time
 
-    assert megatron_runtime.DurationLimit(0.01, start=time.monotonic() - 1.0).reached()
+    assert DurationLimit(0.01, start=time.monotonic() - 1.0).reached()
 
 
 def _logger_args(**extra):
@@ -140,7 +142,7 @@ def test_wandb_missing_is_refused_with_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
     with pytest.raises(ImportError, match="pip install wandb"):
-        megatron_runtime.check_logging_available(_logger_args(wandb_project="p3d"))
+        check_logging_available(_logger_args(wandb_project="p3d"))
 
 
 class _Terminal(io.StringIO):
@@ -251,7 +253,7 @@ def test_tensorboard_missing_is_refused_before_training(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ImportError, match=r"--tensorboard-dir needs the tensorboard package: pip install tensorboard"):
-        megatron_runtime.check_logging_available(_logger_args(tensorboard_dir="tb"))
+        check_logging_available(_logger_args(tensorboard_dir="tb"))
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # a library caller of pretrain: refused too
     from parallel3d.training import TrainingLogger
     with pytest.raises(ImportError, match="--tensorboard-dir needs the tensorboard package"):

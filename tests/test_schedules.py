@@ -4,13 +4,8 @@ import sys
 
 import pytest
 
-from parallel3d.pipeline.schedules import (
-    Action,
-    Schedule,
-    ScheduleError,
-    interleaved_microbatch_groups,
-    num_warmup_microbatches,
-)
+from parallel3d.pipeline.builders import interleaved_microbatch_groups, num_warmup_microbatches
+from parallel3d.pipeline.schedules import Action, Schedule, ScheduleError
 from parallel3d.pipeline.registry import SCHEDULE_NAMES, build_schedule
 from parallel3d.pipeline.simulate import simulate, validate
 from parallel3d.pipeline import visualize

@@ -6,5 +6,6 @@ from .executor import PipelineGroup, ScheduleExecutor, custom_backward, dealloca
 from .forward_backward import PipelineConfig, forward_backward, get_forward_backward_func
 from .p2p import TensorSpec
 from .registry import SCHEDULE_NAMES, SCHEDULES, build_schedule
-from .schedules import Action, ActionKind, Schedule, ScheduleError, ScheduleRecord, forward_only_schedule
+from .builders import forward_only_schedule
+from .schedules import Action, ActionKind, Schedule, ScheduleError, ScheduleRecord
 from .simulate import SimResult, simulate, validate

@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from .schedules import Schedule, ScheduleError, add_comm
+from .builders import add_comm
+from .schedules import Schedule, ScheduleError
 from .simulate import SimResult, simulate, validate
 from .zero_bubble import greedy_orders, with_comm
 

@@ -20,8 +20,9 @@ from parallel3d import parallel_state
 
 from .executor import PipelineGroup, ScheduleExecutor
 from .p2p import TensorSpec
-from .registry import build_schedule
-from .schedules import Schedule, ScheduleError, forward_only_schedule, placement_of
+from .builders import forward_only_schedule
+from .registry import build_schedule, placement_of
+from .schedules import Schedule, ScheduleError
 from .simulate import validate
 from .zero_bubble import hoist_receives_over_w
 

@@ -1,5 +1,5 @@
 """Schedules by name: one ScheduleRecord each (what it runs, the chunks and microbatches it needs, its
-builder): Megatron's (schedules.py), the zero-bubble ones (zero_bubble.py) and 'auto' (auto_schedule.py,
+builder): Megatron's (builders.py), the zero-bubble ones (zero_bubble.py) and 'auto' (auto_schedule.py,
 which picks among the others). Everything else asks this table, so adding a schedule is one builder
 plus one record. The one module that imports all three, so none of them imports another back.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Optional
 
 from .auto_schedule import auto_options, auto_schedule
-from .schedules import (ANY_CHUNKS, Schedule, ScheduleRecord, build_1f1b, build_gpipe, build_interleaved,
-                        build_no_pipelining, check_megatron_args)
+from .builders import build_1f1b, build_gpipe, build_interleaved, build_no_pipelining, check_megatron_args
+from .schedules import ANY_CHUNKS, Schedule, ScheduleRecord
 from .zero_bubble import build_dualpipev, build_zb_h1, build_zb_h2, build_zb_v, check_zero_bubble_args
 
 _V = range(2, 3)  # a rank's two chunks in a V

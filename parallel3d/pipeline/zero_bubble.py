@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .schedules import (Action, ActionKind, Builder, Schedule, ScheduleRecord, add_comm, stage_location,
-                        virtual_stage)
+from .builders import add_comm
+from .schedules import Action, ActionKind, Builder, Schedule, ScheduleRecord, stage_location, virtual_stage
 
 Step = tuple[str, int, int]  # (kind "F" | "B" | "W", microbatch, chunk)
 Times = tuple[float, float, float]  # (forward, backward = input gradient, weight gradient)

@@ -139,17 +139,28 @@ def load_cluster(path: str) -> ClusterSpec:
         return cluster_from_dict(json.load(f))
 
 
+# Dense bf16 datasheet peak per GPU (vendor datasheets): the MFU denominator training logs when
+# --peak-tflops is not given, and the presets' curves' peak. Keyed by torch.cuda.get_device_name()
+# exactly: "A10" must not match an A10G, nor an H100 PCIe the SXM part.
+DATASHEET_PEAK_TFLOPS = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0,
+                         "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA A100-SXM4-40GB": 312.0,
+                         "NVIDIA A100-PCIE-40GB": 312.0, "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA L40S": 362.0,
+                         "NVIDIA A10": 125.0}
+
+
 # H100 SXM: 989.4 TFLOP/s dense bf16.  The curve is GemmCurve.fit of the 12 GEMMs measured by
 # bench/calibrate_planner.py on 2 x H100 80GB HBM3 (2026-11-26; bench/clusters/h100-sxm-2x.json):
 # 776 TFLOP/s at 8192^3 (curve 780), 582-754 at GPT-1.3B's layer shapes.  The weight-gradient GEMM
 # accumulated into fp32 ran at 0.98 of the plain one there (0.93-1.0 in BENCHMARKS.md's fused table).
-_H100_GEMM = GemmCurve(peak_tflops=989.4, max_efficiency=0.813, half_dim=84.4, wgrad_factor=0.98)
+_H100_GEMM = GemmCurve(peak_tflops=DATASHEET_PEAK_TFLOPS["NVIDIA H100 80GB HBM3"],
+                       max_efficiency=0.813, half_dim=84.4, wgrad_factor=0.98)
 
 # A100 SXM 80GB: 312 TFLOP/s dense bf16/fp16.  SC21 prints no GEMM benchmark, only that its
 # best end-to-end runs reach 52% of peak (163 TFLOP/s).  ASSUMPTION: cuBLAS on A100 reaches the
 # same fraction of peak by shape as we measured on H100 (79% at 8192^3, ~245 TFLOP/s), so the A100
 # curve is the H100 curve scaled to 312.  ONE curve for all five models; nothing is fitted per row.
-_A100_GEMM = GemmCurve(peak_tflops=312.0, max_efficiency=0.813, half_dim=84.4, wgrad_factor=0.95)
+_A100_GEMM = GemmCurve(peak_tflops=DATASHEET_PEAK_TFLOPS["NVIDIA A100-SXM4-80GB"],
+                       max_efficiency=0.813, half_dim=84.4, wgrad_factor=0.95)
 
 _H100_COMMON = dict(
     memory_gib=79.1, gemm=_H100_GEMM,
@@ -205,4 +216,5 @@ def get_cluster(name: str) -> ClusterSpec:
     return PRESETS[name]
 
 
-__all__ = ["GIB", "GemmCurve", "ClusterSpec", "PRESETS", "get_cluster", "load_cluster", "cluster_from_dict"]
+__all__ = ["GIB", "DATASHEET_PEAK_TFLOPS", "GemmCurve", "ClusterSpec", "PRESETS", "get_cluster", "load_cluster",
+           "cluster_from_dict"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 from parallel3d.pipeline.registry import SCHEDULES, ZERO_BUBBLE
-from parallel3d.pipeline.schedules import num_warmup_microbatches
+from parallel3d.pipeline.builders import num_warmup_microbatches
 
 from .compute import optimizer_time
 from .hardware import ClusterSpec

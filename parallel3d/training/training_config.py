@@ -4,7 +4,7 @@ arguments after ``arguments.validate_args`` applied every rule and derived every
     config = TrainingConfig.from_args(validate_args(parse_args(argv), world_size))
 
 The training loop reads these sections, never the argparse namespace; each section's fields keep
-Megatron's argument names, so the helpers of megatron_args / megatron_runtime that read those names
+Megatron's argument names, so the helpers of megatron_args / resume that read those names
 accept a section as they accept the arguments.
 
 The one setting that changes during a run is the batch under ``--rampup-batch-size``: the layout
@@ -91,7 +91,7 @@ class LRScheduleConfig:
     lr_decay_steps: int
     wd_incr_steps: int
     wsd_decay_steps: Optional[int]
-    # What megatron_runtime.CheckedScheduler needs to compare a checkpoint's schedule in the run's units:
+    # What resume.CheckedScheduler needs to compare a checkpoint's schedule in the run's units:
     train_samples: Optional[int]
     target_global_batch_size: int
     override_opt_param_scheduler: bool

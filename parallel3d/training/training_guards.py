@@ -9,6 +9,7 @@
   underflow to zero, e.g. a tiny fp16 loss scale: nothing learns, as useless as a NaN).
 - ``ExitSignalHandler``: Megatron's ``--exit-signal-handler`` (remember SIGTERM, agree
   on it across ranks once per iteration).
+- ``DurationLimit``: Megatron's ``--exit-duration-in-mins`` (every rank agrees to stop once the time is up).
 - ``errors_as_one_line``: a script's fatal error as one ``error: rank N: ...`` line.
 """
 from __future__ import annotations
@@ -18,12 +19,14 @@ import math
 import os
 import signal
 import sys
+import time
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from parallel3d import parallel_state
+from parallel3d.device import default_device
 from parallel3d.distributed_timeout import CommunicationError, waiting_for
 from parallel3d.model_chunk import unwrap
 
@@ -169,6 +172,23 @@ class ExitSignalHandler:
             # to stop, must not kill the process between the save and its exit code 0.
             signal.signal(self.sig, signal.SIG_IGN)
         return self.exiting
+
+
+class DurationLimit:
+    """--exit-duration-in-mins: True on every rank once any rank's clock passed the limit (an all-reduce MAX,
+    so all ranks stop after the same iteration and save together)."""
+
+    def __init__(self, minutes: Optional[float], start: Optional[float] = None) -> None:
+        self.minutes = minutes
+        self.start = time.monotonic() if start is None else start
+
+    def reached(self) -> bool:
+        if self.minutes is None:
+            return False
+        over = torch.tensor([int((time.monotonic() - self.start) / 60.0 >= self.minutes)], device=default_device())
+        if dist.is_initialized():
+            dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        return bool(over.item())
 
 
 @contextlib.contextmanager

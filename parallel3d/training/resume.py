@@ -1,28 +1,18 @@
-"""Megatron-LM's run-time behaviours around the training loop (the flags of megatron_args.py):
-
-- resume: a --load directory without a checkpoint starts from scratch with a notice (the first
-  launch of ``--save ckpt --load ckpt``); ``--finetune`` loads weights only and starts at iteration
-  0; the LR schedule of a resumed run must match the checkpoint's unless
-  ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler`` says which wins;
-- ``--exit-duration-in-mins``: every rank agrees to stop once the time is up;
-- ``--wandb-project``, ``--tensorboard-dir``: Weights & Biases / TensorBoard logging (Megatron's tag names),
-  refused before any work where the package is not installed.
+"""Megatron-LM's resume rules (the load step of ``pretrain``): a --load directory without a checkpoint starts
+from scratch with a notice (the first launch of ``--save ckpt --load ckpt``); ``--finetune`` loads weights only
+and starts at iteration 0; a checkpoint lacking the state the run would load, or saved with other loss scaling,
+is refused naming the flags that resume it; the LR schedule of a resumed run must match the checkpoint's unless
+``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler`` says which wins.
 """
 from __future__ import annotations
 
-import argparse
-import math
 import os
-import socket
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from parallel3d.training import checkpointing
 from parallel3d.training.checkpoint_integrity import FILES_KEY, CheckpointError
-from parallel3d.device import default_device
 
 _FLAG_OF = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
             "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
@@ -155,114 +145,3 @@ def _check_resumable(load: str, iteration: int, meta: dict, config: Any, load_op
             raise CheckpointError(f"{load} (iteration {iteration}) was saved with {was}, this run has {now}: the "
                                   "optimizer state's loss scaling differs; resume with the checkpoint's "
                                   f"{was}, or add --no-load-optim to take its weights with a fresh optimizer")
-
-
-def single_process_env() -> bool:
-    """Without a launcher (no RANK set, as ``python3 examples/pretrain_gpt.py``): become rank 0 of 1 on a
-    free local port, instead of torch's "environment variable RANK expected". True when it did so."""
-    if "RANK" in os.environ or dist.is_initialized():
-        return False
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    return True
-
-
-class DurationLimit:
-    """--exit-duration-in-mins: True on every rank once any rank's clock passed the limit (an all-reduce MAX,
-    so all ranks stop after the same iteration and save together)."""
-
-    def __init__(self, minutes: Optional[float], start: Optional[float] = None) -> None:
-        self.minutes = minutes
-        self.start = time.monotonic() if start is None else start
-
-    def reached(self) -> bool:
-        if self.minutes is None:
-            return False
-        over = torch.tensor([int((time.monotonic() - self.start) / 60.0 >= self.minutes)], device=default_device())
-        if dist.is_initialized():
-            dist.all_reduce(over, op=dist.ReduceOp.MAX)
-        return bool(over.item())
-
-
-_WANDB_MISSING = ("--wandb-project needs the wandb package: pip install wandb (or pip install 'parallel3d[wandb]'), "
-                  "or drop --wandb-project")
-
-
-class WandbSink:
-    """--wandb-project: every --log-json record goes to a wandb run too."""
-
-    def __init__(self, logging: Any, run_args: dict[str, Any]) -> None:
-        """``logging``: training_config.LoggingConfig (or the arguments); ``run_args``: every argument, the
-        run's config in wandb."""
-        try:
-            import wandb
-        except ImportError:
-            raise ImportError(_WANDB_MISSING) from None
-        self.run = wandb.init(project=logging.wandb_project, name=logging.wandb_exp_name, dir=logging.wandb_save_dir,
-                              config={k: v for k, v in run_args.items() if isinstance(v, (int, float, str, bool))})
-
-    def log(self, record: dict[str, Any]) -> None:
-        prefix = "eval/" if record.get("type") == "eval" else "train/"
-        values = {prefix + k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"}
-        self.run.log(values, step=record["iteration"])
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-_TENSORBOARD_MISSING = ("--tensorboard-dir needs the tensorboard package: pip install tensorboard (or pip install "
-                        "'parallel3d[tensorboard]'), or drop --tensorboard-dir")
-
-
-class TensorBoardSink:
-    """--tensorboard-dir with Megatron's tag names (its training_log and evaluate_and_print_results: "lm loss",
-    "learning-rate", "lm loss validation", ..., most also "<tag> vs samples"), so Megatron's dashboards read it."""
-
-    def __init__(self, log_dir: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ImportError(_TENSORBOARD_MISSING) from None
-        self.writer = SummaryWriter(log_dir)
-
-    def _add(self, tag: str, value: Optional[float], iteration: int, samples: Optional[int]) -> None:
-        if value is None:
-            return
-        self.writer.add_scalar(tag, value, iteration)
-        if samples is not None:
-            self.writer.add_scalar(tag + " vs samples", value, samples)
-
-    def log_train(self, record: dict[str, Any], losses: dict[str, float], samples: Optional[int],
-                  batch_size: int) -> None:
-        """``record``: TrainingLogger's train record; ``losses``: the interval's mean of each reported loss."""
-        it = record["iteration"]
-        self._add("learning-rate", record["lr"], it, samples)
-        self._add("batch-size", batch_size, it, samples)
-        for key, value in losses.items():
-            self._add(key, value, it, samples)
-        self._add("loss-scale", record["loss_scale"], it, samples)
-        self._add("grad-norm", record["grad_norm"], it, samples)
-        self._add("iteration-time", record["iteration_time_s"], it, None)
-        self._add("throughput", record["tflops_per_gpu"], it, None)  # TFLOP/s per GPU
-        self._add("mem-max-allocated-bytes", record["memory_gb"] * 2 ** 30, it, None)
-
-    def log_eval(self, iteration: int, losses: dict[str, float], samples: Optional[int]) -> None:
-        for key, value in losses.items():
-            self._add(f"{key} validation", value, iteration, samples)
-            self._add(f"{key} validation ppl", math.exp(min(20.0, value)), iteration, samples)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def check_logging_available(args: argparse.Namespace) -> None:
-    """Refuse --wandb-project / --tensorboard-dir before any work when their package is not installed (not a
-    warning hours later, nor a run without the logs asked for)."""
-    import importlib.util
-
-    if args.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ImportError(_WANDB_MISSING)
-    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
-        raise ImportError(_TENSORBOARD_MISSING)
