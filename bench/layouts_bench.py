@@ -124,7 +124,7 @@ def report(results: dict, cluster) -> str:
             continue
         tok = tokens_per_gpu(ours)
         ratio = f"{tok / tokens_per_gpu(peer):.3f}x" if peer else ""
-        step, mem = predict(name, cluster) if cluster else (float("nan"), float("nan"))
+        step, mem = predict(name, cluster) if cluster and name in RUNS else (float("nan"), float("nan"))
         ms, mm = iteration_time(ours), ours.get("peak_memory_gb") or float("nan")
         lines.append(f"| {name} | {tok:,.0f} | {tokens_per_gpu(peer):,.0f} | {ratio} | {tok / ones['llama-' if name.startswith('llama-') else '']:.1%} | "
                      f"{ms:.3f} / {step:.3f} s | {100 * (step / ms - 1):+.1f}% | {mm:.1f} / {mem:.1f} | "
