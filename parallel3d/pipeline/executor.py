@@ -164,6 +164,8 @@ class ScheduleExecutor:
         self.last_weight = {a.chunk: a.microbatch for a in schedule.actions[pipeline.stage] if a.kind == "W"}
         # Zero-bubble schedules: B defers the weight-gradient GEMMs here, W runs them.
         self.split_backward = schedule.splits_backward and not forward_only
+        # each chunk's weights, listed once: every B of a split backward marks them for deferral
+        self.chunk_weights = [list(m.parameters()) for m in self.model] if self.split_backward else []
         self.deferred: dict[tuple[int, int], wgrad_store.Deferred] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -252,7 +254,7 @@ class ScheduleExecutor:
         else:
             nxt = self._local_neighbour(chunk, +1)
             grads = self.output_grads.pop(key) if nxt is None else self.input_grads.pop((mb, nxt))
-        defer = (wgrad_store.deferring(self.model[chunk].parameters(), self.deferred.setdefault(key, []))
+        defer = (wgrad_store.deferring(self.chunk_weights[chunk], self.deferred.setdefault(key, []))
                  if self.split_backward else contextlib.nullcontext())
         with self._sync_if(chunk, mb == self.last_backward[chunk]), defer:
             custom_backward(outputs, grads)
