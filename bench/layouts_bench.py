@@ -18,7 +18,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path[:0] = [os.path.join(ROOT, "bench"), ROOT]
 
 from launch import MEGATRON, OURS, iteration_time, run, tokens_per_gpu  # noqa: E402
 

@@ -50,6 +50,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--carveouts", type=int, nargs="*", default=[],
+                   help="also time each collective beside a GEMM that leaves this many SMs free "
+                        "(torch._C._set_sm_carveout_experimental), and the GEMM alone with it")
     a = p.parse_args()
     dist.init_process_group("nccl")
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -61,6 +64,20 @@ def main() -> None:
             gemm_a @ gemm_a
 
     rows = []
+    for co in [None] + a.carveouts:  # the GEMM alone: what a carveout costs it
+        torch._C._set_sm_carveout_experimental(co)
+        ms = _time(gemm, a.iters, a.warmup) / 4
+        rows.append({"op": "gemm 8192^3", "size_mib": 0, "where": f"{co or 0} SMs free", "ms": ms,
+                     "busbw_gbs": 2 * 8192 ** 3 / (ms * 1e-3) / 1e12, "ranks": n})
+    torch._C._set_sm_carveout_experimental(None)
+
+    def beside_with(co):
+        def run():
+            torch._C._set_sm_carveout_experimental(co)
+            gemm()
+            torch._C._set_sm_carveout_experimental(None)
+        return run
+
     for mib in a.sizes_mib:
         numel = int(mib * 2 ** 20) // 2 // n * n  # bf16 elements of S, divisible by n
         full = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
@@ -71,15 +88,17 @@ def main() -> None:
             "all_reduce": (lambda: dist.all_reduce(full), 2.0),
         }
         for name, (fn, factor) in ops.items():
-            for where, beside in (("alone", None), ("beside a GEMM", gemm)):
+            besides = [("alone", None), ("beside a GEMM", gemm)]
+            besides += [(f"beside, {co} SMs free", beside_with(co)) for co in a.carveouts]
+            for where, beside in besides:
                 ms = _time(fn, a.iters, a.warmup, beside)
                 busbw = factor * numel * 2 * (n - 1) / n / (ms * 1e-3) / 1e9
                 rows.append({"op": name, "size_mib": mib, "where": where, "ms": ms, "busbw_gbs": busbw, "ranks": n})
     if rank == 0:
-        print(f"{'op':15s} {'MiB':>6s} {'where':14s} {'ms':>8s} {'busbw GB/s':>10s}   ({n} ranks, "
+        print(f"{'op':15s} {'MiB':>6s} {'where':22s} {'ms':>8s} {'busbw GB/s':>10s}   ({n} ranks, "
               f"{torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))})")
         for r in rows:
-            print(f"{r['op']:15s} {r['size_mib']:6.1f} {r['where']:14s} {r['ms']:8.3f} {r['busbw_gbs']:10.1f}")
+            print(f"{r['op']:15s} {r['size_mib']:6.1f} {r['where']:22s} {r['ms']:8.3f} {r['busbw_gbs']:10.1f}")
         print("RESULT_JSON: " + json.dumps(rows))
         if a.json_out:
             with open(a.json_out, "w") as f:

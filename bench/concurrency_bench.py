@@ -1,0 +1,112 @@
+"""Can anything run beside a cuBLAS GEMM on this GPU? The question behind every TP overlap (issue 26).
+
+    torchrun --standalone --nproc-per-node 2 bench/concurrency_bench.py [--json-out F]
+
+Each row is the median of --iters CUDA-event timings (after --warmup) of one operation on the current
+stream, alone and "beside a GEMM": an 8192^3 bf16 GEMM launched just before it on another stream. An
+operation that truly runs beside the GEMM keeps its alone time; one that waits for it takes the GEMM's.
+- a tiny elementwise kernel (4 KiB), also with SMs carved out of the GEMM
+  (torch._C._set_sm_carveout_experimental) and from a high-priority stream;
+- a 16 MiB copy to the peer GPU's memory (the copy engine, no SMs);
+- a 16 MiB-per-rank all-gather and reduce-scatter through NCCL (kernels) and through torch's
+  copy-engine collectives (symmetric memory's _low_contention_* ops: copy-engine copies between
+  barriers that are kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    group = dist.group.WORLD
+    side, high = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+    mat = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def gemm(carveout=None):
+        torch._C._set_sm_carveout_experimental(carveout)
+        mat @ mat
+        torch._C._set_sm_carveout_experimental(None)
+
+    def timed(fn, beside=None) -> float:
+        times = []
+        for i in range(a.warmup + a.iters):
+            dist.barrier()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if beside is not None:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    beside()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            if i >= a.warmup:
+                times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    tiny = torch.randn(1024, device="cuda")
+
+    def tiny_kernel():
+        tiny.mul_(1.0001)
+
+    def tiny_on_high_priority():
+        high.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(high):
+            tiny_kernel()
+        torch.cuda.current_stream().wait_stream(high)
+
+    rows = {"GEMM 8192^3 alone": timed(gemm),
+            "tiny kernel alone": timed(tiny_kernel),
+            "tiny kernel beside a GEMM": timed(tiny_kernel, gemm),
+            "tiny kernel beside a GEMM leaving 66 SMs free": timed(tiny_kernel, lambda: gemm(66)),
+            "tiny kernel, high-priority stream, beside a GEMM": timed(tiny_on_high_priority, gemm)}
+    if world > 1:
+        shard = torch.randn(8 * 2 ** 20, device="cuda", dtype=torch.bfloat16)
+        peer = torch.empty_like(shard, device=f"cuda:{(torch.cuda.current_device() + 1) % torch.cuda.device_count()}")
+        rows["16 MiB copy to the peer GPU alone"] = timed(lambda: peer.copy_(shard, non_blocking=True))
+        rows["16 MiB copy to the peer GPU beside a GEMM"] = timed(lambda: peer.copy_(shard, non_blocking=True), gemm)
+        shard2d = shard.view(-1, 1024)
+        full = torch.randn(world * shard2d.size(0), 1024, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(full)
+        import torch.distributed._symmetric_memory as symm_mem
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+        wait = torch.ops._c10d_functional.wait_tensor
+        ops = {"NCCL all-gather": lambda: dist.all_gather_into_tensor(out, shard2d),
+               "NCCL reduce-scatter": lambda: dist.reduce_scatter_tensor(shard2d, full),
+               "copy-engine all-gather": lambda: wait(torch.ops.symm_mem._low_contention_all_gather(
+                   shard2d, group.group_name)),
+               "copy-engine reduce-scatter": lambda: wait(torch.ops.symm_mem._low_contention_reduce_scatter(
+                   full, "sum", group.group_name))}
+        for name, op in ops.items():
+            rows[f"{name} (16 MiB a rank) alone"] = timed(op)
+            rows[f"{name} beside a GEMM"] = timed(op, gemm)
+    if rank == 0:
+        print(f"{torch.cuda.get_device_name()}, {world} ranks, torch {torch.__version__}")
+        for name, ms in rows.items():
+            print(f"{name:55s} {ms:8.3f} ms")
+        print("RESULT_JSON: " + json.dumps(rows))
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
