@@ -22,7 +22,7 @@ from parallel3d import parallel_state as ps
 from parallel3d.model_chunk import CheckpointableConfig, PipelineChunk
 from parallel3d import tensor_parallel as tp
 from parallel3d.tensor_parallel import split_tensor_for_rank
-from parallel3d.testing import run_distributed
+from parallel3d.testing import run_distributed, single_process_layout
 
 ATOL = 1e-5
 B, S = 2, 16
@@ -387,10 +387,11 @@ def _sweep_cfg(family, overrides, **kw):
 def _tp_sweep(rank, world_size):
     torch.manual_seed(0)
     references = []
-    for family, overrides, _ in _SWEEP:  # before any parallel state: plain single-process models
-        model = GPTModel(_sweep_cfg(family, overrides))
-        loss, grads = _loss_and_grads(model, model.config)
-        references.append((loss, grads, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    with single_process_layout():  # TP = PP = 1: plain single-process models
+        for family, overrides, _ in _SWEEP:
+            model = GPTModel(_sweep_cfg(family, overrides))
+            loss, grads = _loss_and_grads(model, model.config)
+            references.append((loss, grads, {n: p.detach().clone() for n, p in model.named_parameters()}))
     done = []
     for (family, overrides, layouts), (ref_loss, ref_grads, ref_params) in zip(_SWEEP, references):
         for tp_size, sp in layouts:
