@@ -8,8 +8,9 @@ loaded at import time; ``describe()`` says what a process runs.
 Each op has one PyTorch reference beside its kernel wrapper, ``<op>_reference`` (cross-entropy's:
 its autograd fallback): what runs off the GPU, and the model's unfused path. One rule decides what
 computes an op of a model: the model's config flag (Megatron's per-op ``*_fusion`` flags) chooses,
-per model, between the op and its reference; inside the ops, ``set_fusion_enabled(False)`` or ``PARALLEL3D_DISABLE_FUSION=1`` is the
-process-wide override that runs the reference instead of the CUDA kernel (A/B timing, debugging).
+per model, between the op and its reference; inside the ops, ``set_fusion_enabled(False)`` or
+``PARALLEL3D_DISABLE_FUSION=1`` is the process-wide override that runs the reference instead of the
+CUDA kernel (A/B timing, debugging).
 The fallbacks compute as the kernels do (fp32 statistics and math for bf16/fp16 inputs); the model's
 unfused softmax and RoPE pass ``in_fp32=False`` to keep Megatron's unfused numerics (the input's dtype).
 """
