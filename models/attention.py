@@ -10,7 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel3d import tensor_parallel
-from parallel3d.fused import apply_rotary_pos_emb_qk, scaled_upper_triang_masked_softmax
+from parallel3d.fused import (
+    apply_rotary_pos_emb_qk,
+    apply_rotary_pos_emb_reference,
+    scaled_upper_triang_masked_softmax,
+    scaled_upper_triang_masked_softmax_reference,
+)
 from parallel3d.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -21,7 +26,6 @@ from parallel3d.tensor_parallel import (
 from parallel3d.tensor_parallel.utils import group_rank_and_size
 
 from .config import TransformerConfig
-from .ops import plain_apply_rotary_pos_emb, plain_scaled_upper_triang_masked_softmax
 
 # torch >= 2.5 lets SDPA share key/value heads across query heads without copying them.
 _SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -103,9 +107,10 @@ class DotProductAttention(nn.Module):
         if cfg.attention_softmax_in_fp32:
             scores = scores.float()
         if attention_mask is None:
-            softmax = scaled_upper_triang_masked_softmax if cfg.masked_softmax_fusion else \
-                plain_scaled_upper_triang_masked_softmax
-            probs = softmax(scores, 1.0)
+            if cfg.masked_softmax_fusion:
+                probs = scaled_upper_triang_masked_softmax(scores, 1.0)
+            else:  # Megatron's unfused softmax: in the scores' dtype
+                probs = scaled_upper_triang_masked_softmax_reference(scores, 1.0, in_fp32=False)
         else:
             scores = scores.view(b, np_, sq, sk).masked_fill(attention_mask, torch.finfo(scores.dtype).min)
             probs = torch.softmax(scores, dim=-1).view(b * np_, sq, sk)
@@ -155,7 +160,7 @@ class SelfAttention(nn.Module):
             if cfg.apply_rope_fusion:
                 q, k = apply_rotary_pos_emb_qk(q, k, rotary_pos_emb)
             else:
-                q, k = plain_apply_rotary_pos_emb(q, rotary_pos_emb), plain_apply_rotary_pos_emb(k, rotary_pos_emb)
+                q, k = (apply_rotary_pos_emb_reference(t, rotary_pos_emb, in_fp32=False) for t in (q, k))
         if inference_params is not None:
             k, v, attention_mask = self._update_kv_cache(k, v, attention_mask, inference_params)
         if cfg.recompute_granularity == "selective" and self.training:

@@ -8,13 +8,12 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import tensor_parallel
-from parallel3d.fused import bias_dropout_add
+from parallel3d.fused import bias_dropout_add, bias_dropout_add_reference
 
 from .attention import InferenceParams, SelfAttention
 from .config import TransformerConfig
 from .mlp import MLP
 from .norm import Norm
-from .ops import plain_bias_dropout_add
 from .rng import dropout_rng, init_rng
 
 
@@ -29,7 +28,7 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(config, layer_number, tp_group)
         self.pre_mlp_layernorm = Norm(config, config.hidden_size)
         self.mlp = MLP(config, tp_group)
-        self.bias_dropout_add = bias_dropout_add if config.bias_dropout_fusion else plain_bias_dropout_add
+        self.bias_dropout_add = bias_dropout_add if config.bias_dropout_fusion else bias_dropout_add_reference
 
     def _residual(self, out_with_bias, residual: torch.Tensor) -> torch.Tensor:
         cfg = self.config

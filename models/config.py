@@ -124,7 +124,7 @@ class TransformerConfig:
     fp16: bool = False
     attention_softmax_in_fp32: bool = True  # "local" attention: softmax statistics in fp32
 
-    # --- kernels: each flag off = models/ops.py's plain composition (the rule: parallel3d/fused) ---
+    # --- kernels: each flag off = the op's PyTorch reference (the rule: parallel3d/fused) ---
     attention_backend: str = "sdpa"
     gradient_accumulation_fusion: bool = False  # wgrad GEMM into param.main_grad (needs the DDP buffers)
     bias_activation_fusion: bool = True

@@ -5,10 +5,9 @@ import torch
 from torch import nn
 
 from parallel3d.device import default_device
-from parallel3d.fused import layer_norm, rms_norm
+from parallel3d.fused import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
 from .config import TransformerConfig
-from .ops import plain_layer_norm, plain_rms_norm
 
 
 class Norm(nn.Module):
@@ -31,5 +30,5 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rms:
-            return (rms_norm if self.fused else plain_rms_norm)(x, self.weight, self.eps)
-        return (layer_norm if self.fused else plain_layer_norm)(x, self.weight, self.bias, self.eps)
+            return (rms_norm if self.fused else rms_norm_reference)(x, self.weight, self.eps)
+        return (layer_norm if self.fused else layer_norm_reference)(x, self.weight, self.bias, self.eps)

@@ -19,8 +19,9 @@ Two ways to use the groups:
 Library code that also builds the one-process model (the layers, the models, the
 training loop; a test's single-process reference) asks :func:`resolve_parallel_state`:
 the state it was given, else the default, else the one-process layout (every size 1,
-no groups). Data parallelism is never guessed: DDP under torch.distributed without
-model-parallel groups needs its ``dp_group`` passed (see distributed/ddp.py).
+no groups). A layout is never guessed in a job of several processes: without model-parallel groups,
+DDP under torch.distributed needs its ``dp_group`` passed (distributed/ddp.py) and a TP layer its
+group (tensor_parallel/utils.py ``resolve_tp_group``).
 """
 from __future__ import annotations
 

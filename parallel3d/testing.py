@@ -20,6 +20,7 @@ run in parallel.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import multiprocessing as mp
@@ -93,6 +94,21 @@ def _child(fn: Callable, rank: int, world_size: int, store_dir: str, args: Seque
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - teardown after a failure may itself fail
             pass
+
+
+@contextlib.contextmanager
+def single_process_layout():
+    """Model-parallel groups with TP = PP = 1 around a single-process reference built and run inside a worker:
+    each rank computes the whole model alone (the TP layers refuse a job of several processes without groups,
+    rather than guess). Where no other layout is initialised; the groups are destroyed after, so run the
+    reference inside."""
+    from parallel3d import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 class DistributedTestError(AssertionError):

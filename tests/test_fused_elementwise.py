@@ -30,12 +30,6 @@ def ref_bias_swiglu(x, b):
     return a * torch.sigmoid(a) * g
 
 
-def ref_causal_softmax(x, scale):
-    sq, sk = x.shape[-2:]
-    mask = torch.triu(torch.ones(sq, sk, dtype=torch.bool, device=x.device), diagonal=1)
-    return torch.softmax((x * scale).masked_fill(mask, float("-inf")), dim=-1)
-
-
 # Floors for the element-wise ops: gelu(z) and swiglu's derivatives pass through ~0
 # (gelu's tail, gelu' and the swiglu gate derivative have zeros), where a norm-wise
 # relative error of a tiny tensor (a single element) measures rounding of the
@@ -79,9 +73,9 @@ def _check_bias_swiglu(device, dtype, rows, f, with_bias=True):
 def _check_causal_softmax(device, dtype, batches, s):
     x = randn(batches, s, s, dtype=dtype, device=device, scale=4.0)
     scale = 0.37
-    check_against_reference(
-        lambda x: fused.scaled_upper_triang_masked_softmax(x, scale), lambda x: ref_causal_softmax(x, scale),
-        [x], [0], TOL[dtype],
+    check_against_reference(  # the kernel (the fallback on the CPU) against the op's reference in fp64
+        lambda x: fused.scaled_upper_triang_masked_softmax(x, scale),
+        lambda x: fused.scaled_upper_triang_masked_softmax_reference(x, scale), [x], [0], TOL[dtype],
     )
 
 

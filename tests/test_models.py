@@ -16,13 +16,12 @@ import torch
 import torch.nn.functional as F
 
 import parallel3d.models.attention as attention_module
-import parallel3d.models.ops as ops_module
 from parallel3d.models import GPTModel, gather_logits, gpt2_config, llama_config, llama_ffn_hidden_size
 from parallel3d import parallel_state as ps
 from parallel3d.model_chunk import CheckpointableConfig, PipelineChunk
 from parallel3d import tensor_parallel as tp
 from parallel3d.tensor_parallel import split_tensor_for_rank
-from parallel3d.testing import run_distributed
+from parallel3d.testing import run_distributed, single_process_layout
 
 ATOL = 1e-5
 B, S = 2, 16
@@ -182,10 +181,9 @@ def test_attention_backends_masks_and_fusion_flags_agree(monkeypatch):
                               (dict(), causal), (plain, None), (dict(attention_backend="local", **plain), None)):
             out = GPTModel(_config(family, **variant))(ids, pos, attention_mask=mask, labels=labels)
             _close(out, ref, f"{family} {variant} mask={mask is not None}")
-        with monkeypatch.context() as m:  # torch < 2.4 has no F.rms_norm: the explicit formula
-            m.setattr(ops_module, "_HAS_RMS_NORM", False)
-            m.setattr(attention_module, "_SDPA_HAS_GQA", False)  # torch < 2.5: key/value heads repeated
-            _close(GPTModel(cfg)(ids, pos, labels=labels), ref, f"{family} torch<2.4 fallbacks")
+        with monkeypatch.context() as m:  # torch < 2.5: key/value heads repeated
+            m.setattr(attention_module, "_SDPA_HAS_GQA", False)
+            _close(GPTModel(cfg)(ids, pos, labels=labels), ref, f"{family} torch<2.5 fallbacks")
         # A mask that hides more than the causal one changes the result the same way on both backends.
         mask = causal.clone().expand(B, 1, S, S).clone()
         mask[0, :, :, :3] = True
@@ -387,10 +385,11 @@ def _sweep_cfg(family, overrides, **kw):
 def _tp_sweep(rank, world_size):
     torch.manual_seed(0)
     references = []
-    for family, overrides, _ in _SWEEP:  # before any parallel state: plain single-process models
-        model = GPTModel(_sweep_cfg(family, overrides))
-        loss, grads = _loss_and_grads(model, model.config)
-        references.append((loss, grads, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    with single_process_layout():  # TP = PP = 1: plain single-process models
+        for family, overrides, _ in _SWEEP:
+            model = GPTModel(_sweep_cfg(family, overrides))
+            loss, grads = _loss_and_grads(model, model.config)
+            references.append((loss, grads, {n: p.detach().clone() for n, p in model.named_parameters()}))
     done = []
     for (family, overrides, layouts), (ref_loss, ref_grads, ref_params) in zip(_SWEEP, references):
         for tp_size, sp in layouts:

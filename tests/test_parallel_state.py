@@ -235,3 +235,31 @@ def _ddp_without_groups(rank, world_size):
 
 def test_ddp_needs_groups_under_torch_distributed():
     run_distributed(_ddp_without_groups, 2)
+
+
+def _tp_layers_without_groups(rank, world_size):
+    import torch
+
+    from parallel3d import tensor_parallel as tp
+    from parallel3d.testing import single_process_layout
+
+    if world_size == 1:  # a job of one process has one layout: the layer builds as one process
+        return tp.ColumnParallelLinear(8, 8).tp_group is None
+    for build in (lambda: tp.ColumnParallelLinear(8, 8),
+                  lambda: tp.vocab_parallel_cross_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long))):
+        with pytest.raises(RuntimeError, match=f"job of {world_size} processes.*initialize_model_parallel"):
+            build()
+    with single_process_layout():  # what a test's single-process reference does
+        layer = tp.ColumnParallelLinear(8, 8, gather_output=True)
+        assert dist.get_world_size(layer.tp_group) == 1 and layer(torch.randn(2, 8))[0].shape == (2, 8)
+    return True
+
+
+def test_tp_layers_refuse_a_job_of_several_processes_without_groups():
+    """A TP layer without groups in a job of several processes would compute on each rank as if alone: refused
+    (as DDP refuses); alone in its job, or without torch.distributed, it is the one-process layer."""
+    assert run_distributed(_tp_layers_without_groups, 2, timeout=60) == [True, True]
+    assert run_distributed(_tp_layers_without_groups, 1, timeout=60) == [True]
+    from parallel3d import tensor_parallel as tp
+
+    assert tp.ColumnParallelLinear(8, 8).tp_group is None  # this process: no torch.distributed

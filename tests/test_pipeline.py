@@ -18,7 +18,7 @@ from parallel3d.pipeline import ScheduleError, build_schedule, get_forward_backw
 from parallel3d.pipeline.registry import V_SHAPED
 from parallel3d.pipeline.schedules import virtual_stage
 from parallel3d.pipeline.forward_backward import forward_backward
-from parallel3d.testing import run_distributed
+from parallel3d.testing import run_distributed, single_process_layout
 
 NUM_LAYERS, HIDDEN, SEQ, MBS = 8, 8, 4, 2
 ATOL = 1e-5
@@ -144,9 +144,10 @@ def schedules_for(P, V, M):
 
 def _sweep(rank, world_size):
     refs = {M: None for M in (1, 2, 3, 4, 8)}
-    for M in refs:
-        torch.manual_seed(0)
-        refs[M] = reference(make_batches(M))
+    with single_process_layout():
+        for M in refs:
+            torch.manual_seed(0)
+            refs[M] = reference(make_batches(M))
     count = 0
     for P, V in itertools.product((1, 2, 4), (1, 2)):
         if P == 1 and V == 2:
@@ -172,9 +173,10 @@ def test_every_schedule_matches_single_process():
 
 def _mixed_tp_dp(rank, world_size):
     refs = {}
-    for M in (2, 4):
-        torch.manual_seed(0)
-        refs[M] = reference(make_batches(M))
+    with single_process_layout():
+        for M in (2, 4):
+            torch.manual_seed(0)
+            refs[M] = reference(make_batches(M))
     done = 0
     for order, V in itertools.product(("tp-dp-pp", "tp-pp-dp"), (1, 2)):
         ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
@@ -218,12 +220,13 @@ def _tuple_forward_step(data_iterator, model):
 def _variable_and_tuple(rank, world_size):
     seq_of = lambda m: 2 + m % 3  # noqa: E731 - microbatches of lengths 2, 3, 4, 2, ...
     M = 5
-    full = TupleChunk(range(NUM_LAYERS), True, True)
     ref = []
-    for x, target in make_batches(M, seq_of):
-        loss = loss_of(full(x), target) / M
-        loss.backward()
-        ref.append(loss.item() * M)
+    with single_process_layout():
+        full = TupleChunk(range(NUM_LAYERS), True, True)
+        for x, target in make_batches(M, seq_of):
+            loss = loss_of(full(x), target) / M
+            loss.backward()
+            ref.append(loss.item() * M)
     ref_grads = {(i, n): p.grad for i, l in zip(full.layer_ids, full.layers) for n, p in l.named_parameters()}
     results = []
     for P, V, schedule in ((4, 1, None), (2, 2, None), (4, 2, None), (4, 1, "zb-h1"), (2, 2, "zb-v"),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gpt_harness import layout_args, train
+from sc21 import TABLE_1, figure_12, reproduce
 
 from parallel3d.training import gpt
 from parallel3d.planning import GemmCurve, Layout, ModelSpec, estimate, get_cluster, load_cluster
@@ -15,7 +16,6 @@ from parallel3d.planning.hardware import cluster_from_dict
 from parallel3d.planning.memory import static_bytes
 from parallel3d.models import gpt2_config, llama_config
 from parallel3d.planning.model import model_flops, num_floating_point_operations
-from parallel3d.planning.sc21 import TABLE_1, figure_12, reproduce
 from parallel3d.planning.search import candidates, search
 from parallel3d.planning.step import _run, simulate_pipeline
 

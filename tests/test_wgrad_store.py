@@ -1,9 +1,9 @@
 """The B/W split inside the TP linear layers: deferral, recompute, DDP bucket readiness."""
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from parallel3d import parallel_state as ps
 from parallel3d import tensor_parallel as tp
 from parallel3d.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from parallel3d.tensor_parallel import wgrad_store
@@ -98,31 +98,35 @@ def test_nested_deferral_of_one_weight_is_refused():
 
 
 def _ddp_bucket_waits_for_w(rank, world_size):
-    results, group = [], dist.new_group([0, 1])
-    for fusion in (False, True):
-        model = Mlp()
-        for layer in (model.fc1, model.fc2):
-            layer.gradient_accumulation_fusion = fusion
-        ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True,
-                                                                           bucket_size=None), dp_group=group)
-        x = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(rank))
-        deferred = []
-        with wgrad_store.deferring(ddp.parameters(), deferred):
-            (ddp(x) ** 2).sum().backward()
-        assert not any(b.launched for b in ddp.buckets), "a bucket was reduced before its W"
-        wgrad_store.run_deferred(deferred)
-        assert all(b.launched for b in ddp.buckets), "W made every weight ready: the bucket must launch"
-        ddp.finish_grad_sync()
-        # Against the same step without the split.
-        ref = Mlp()
-        ref_ddp = DistributedDataParallel(ref, DistributedDataParallelConfig(overlap_grad_reduce=True,
-                                                                             bucket_size=None), dp_group=group)
-        (ref_ddp(x) ** 2).sum().backward()
-        ref_ddp.finish_grad_sync()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.main_grad, q.main_grad, msg=f"fusion={fusion} {name}")
-        results.append(fusion)
-    return results
+    ps.initialize_model_parallel()  # DP = 2 of a TP = 1 model
+    try:
+        return [_bucket_waits_for_w(rank, fusion) for fusion in (False, True)]
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _bucket_waits_for_w(rank, fusion):
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=None)
+    model = Mlp()
+    for layer in (model.fc1, model.fc2):
+        layer.gradient_accumulation_fusion = fusion
+    ddp = DistributedDataParallel(model, ddp_config)
+    x = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(rank))
+    deferred = []
+    with wgrad_store.deferring(ddp.parameters(), deferred):
+        (ddp(x) ** 2).sum().backward()
+    assert not any(b.launched for b in ddp.buckets), "a bucket was reduced before its W"
+    wgrad_store.run_deferred(deferred)
+    assert all(b.launched for b in ddp.buckets), "W made every weight ready: the bucket must launch"
+    ddp.finish_grad_sync()
+    # Against the same step without the split.
+    ref = Mlp()
+    ref_ddp = DistributedDataParallel(ref, ddp_config)
+    (ref_ddp(x) ** 2).sum().backward()
+    ref_ddp.finish_grad_sync()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.main_grad, q.main_grad, msg=f"fusion={fusion} {name}")
+    return fusion
 
 
 def test_ddp_bucket_is_ready_only_after_w():

@@ -155,14 +155,14 @@ def get_ext() -> ModuleType | None:
     return _ext
 
 
-def use_kernel(*tensors: torch.Tensor | None) -> bool:
-    """True when the fused kernel should run: fusion on, all given tensors on CUDA, extension loaded,
-    and not inside a region torch.compile traces (there Inductor fuses the PyTorch fallback with its
-    neighbours; the kernel would break the graph)."""
+def use_kernel(x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    """True when the fused kernel should run: fusion on, x (the op's input) in fp32, fp16 or bf16, all given
+    tensors on CUDA, extension loaded, and not inside a region torch.compile traces (there Inductor fuses the
+    PyTorch fallback with its neighbours; the kernel would break the graph)."""
     if not _fusion_enabled or torch.compiler.is_compiling():
         return False
-    present = [t for t in tensors if t is not None]
-    if not present or not all(t.is_cuda for t in present):
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not all(
+            t.is_cuda for t in (x, *tensors) if t is not None):
         return False
     return get_ext() is not None
 

@@ -78,14 +78,20 @@ def bias_dropout_add(
     """
     _check(x, bias, residual, prob)
     p = float(prob) if training else 0.0
-    if _ext.use_kernel(x, bias, residual) and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+    if _ext.use_kernel(x, bias, residual):
         return _BiasDropoutAddFunction.apply(
             x.contiguous(), bias.contiguous() if bias is not None else None, residual.contiguous(), p, generator
         )
+    return bias_dropout_add_reference(x, bias, residual, p, True, generator)
+
+
+def bias_dropout_add_reference(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, prob: float,
+                               training: bool, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The op in plain PyTorch: the fallback off the GPU and the model's unfused path (its one reference)."""
     h = x + bias if bias is not None else x
-    if p == 0.0:
+    if prob == 0.0 or not training:
         return residual + h
     if generator is None:
-        return residual + F.dropout(h, p=p, training=True)
-    mask = torch.empty_like(h).bernoulli_(1.0 - p, generator=generator)
-    return residual + h * mask / (1.0 - p)
+        return residual + F.dropout(h, p=prob, training=True)
+    mask = torch.empty_like(h).bernoulli_(1.0 - prob, generator=generator)
+    return residual + h * mask / (1.0 - prob)

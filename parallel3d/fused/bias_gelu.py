@@ -40,7 +40,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "ta
     erf GeLU.  bias may be None.  Differentiable in x and bias.
     """
     _check(x, bias, approximate)
-    if _ext.use_kernel(x, bias) and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+    if _ext.use_kernel(x, bias):
         return _BiasGeLUFunction.apply(x.contiguous(), bias.contiguous() if bias is not None else None, approximate)
     return bias_gelu_reference(x, bias, approximate)
 

@@ -35,7 +35,7 @@ def _check(x: torch.Tensor, bias: torch.Tensor | None) -> None:
 def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(z[..., :f]) * z[..., f:]`` with ``z = x + bias`` (bias optional); returns [..., f]."""
     _check(x, bias)
-    if _ext.use_kernel(x, bias) and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+    if _ext.use_kernel(x, bias):
         return _BiasSwiGLUFunction.apply(x.contiguous(), bias.contiguous() if bias is not None else None)
     return bias_swiglu_reference(x, bias)
 

@@ -74,7 +74,6 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: f
     vocab_size = padded if vocab_size is None else int(vocab_size)
     if not 0 < vocab_size <= padded:
         raise ValueError(f"vocab_size {vocab_size} must be in 1..{padded} (the padded logits' width)")
-    if (_ext.use_kernel(logits, target) and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and target.dtype == torch.int64):
+    if _ext.use_kernel(logits, target) and target.dtype == torch.int64:
         return _CrossEntropyKernel.apply(logits.contiguous(), target.contiguous(), float(label_smoothing), vocab_size)
     return _CrossEntropyPyTorch.apply(logits, target, float(label_smoothing), vocab_size)

@@ -51,12 +51,8 @@ def check_norm_args(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torc
 
 def kernel_ok(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     """Whether the fused norm kernel takes these tensors."""
-    return (
-        x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and all(p is None or p.dtype == x.dtype for p in params)
-        and x.shape[-1] <= MAX_FUSED_HIDDEN
-        and _ext.use_kernel(x, *params)
-    )
+    return (all(p is None or p.dtype == x.dtype for p in params) and x.shape[-1] <= MAX_FUSED_HIDDEN
+            and _ext.use_kernel(x, *params))
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5) -> torch.Tensor:
@@ -66,6 +62,12 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return _LayerNormFunction.apply(
             x.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else None, float(eps)
         )
+    return layer_norm_reference(x, weight, bias, eps)
+
+
+def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The op in plain PyTorch: the fallback off the GPU and the model's unfused path (its one reference).
+    torch's kernel keeps the statistics in fp32; weights of another dtype than x's: computed in fp32."""
     if weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     compute = torch.promote_types(x.dtype, torch.float32)

@@ -28,7 +28,9 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx.view(dy.shape), dw, None
 
 
-def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The op in plain PyTorch: the fallback off the GPU and the model's unfused path (its one reference).
+    torch's F.rms_norm computes the same, to the bit on the CPU."""
     compute = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(compute)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(compute)
@@ -40,4 +42,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
     check_norm_args("rms_norm", x, weight, None, eps)
     if kernel_ok(x, weight):
         return _RMSNormFunction.apply(x.contiguous(), weight.contiguous(), float(eps))
-    return _rms_norm_reference(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)

@@ -97,25 +97,29 @@ def _freqs_3d(t: torch.Tensor, freqs: torch.Tensor, layout: str) -> torch.Tensor
     return f3[:s]
 
 
-def _reference(t: torch.Tensor, f3: torch.Tensor, layout: str) -> torch.Tensor:
+def apply_rotary_pos_emb_reference(t: torch.Tensor, freqs: torch.Tensor, layout: str = "sbhd",
+                                   in_fp32: bool = True) -> torch.Tensor:
+    """The op in plain PyTorch: the fallback off the GPU and the model's unfused path (its one reference).
+    ``in_fp32``: computed in fp32 (at least) and rounded once, as the kernel; False: in t's dtype, Megatron's
+    unfused RoPE."""
+    return _rotate(t, _freqs_3d(t, freqs, layout), layout, in_fp32)
+
+
+def _rotate(t: torch.Tensor, f3: torch.Tensor, layout: str, in_fp32: bool = True) -> torch.Tensor:
     rot = f3.shape[-1]
-    compute = torch.promote_types(t.dtype, torch.float32)
-    f = f3.to(compute)
+    compute = torch.promote_types(t.dtype, torch.float32) if in_fp32 else t.dtype
+    f = f3.to(compute) if in_fp32 else f3  # unfused: cos and sin in the angles' dtype, then t's
     f = f.unsqueeze(2) if layout == "sbhd" else f.transpose(0, 1).unsqueeze(1)  # broadcastable to t
     t_rot, t_pass = t[..., :rot], t[..., rot:]
     x = t_rot.to(compute)
     x1, x2 = torch.chunk(x, 2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    out = (x * torch.cos(f) + rotated * torch.sin(f)).to(t.dtype)
+    out = (x * torch.cos(f).to(compute) + rotated * torch.sin(f).to(compute)).to(t.dtype)
     return torch.cat((out, t_pass), dim=-1)
 
 
 def _kernel_ok(t: torch.Tensor, freqs: torch.Tensor, layout: str) -> bool:
-    return (
-        _ext.use_kernel(t, freqs)
-        and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and t.shape[1 if layout == "sbhd" else 0] <= 65535
-    )
+    return _ext.use_kernel(t, freqs) and t.shape[1 if layout == "sbhd" else 0] <= 65535
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -127,7 +131,7 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, layout: str = "sb
     f3 = _freqs_3d(t, freqs, layout)
     if _kernel_ok(t, freqs, layout):
         return _RoPEFunction.apply(*_cos_sin(freqs, f3), layout, _last_dim_contiguous(t))[0]
-    return _reference(t, f3, layout)
+    return _rotate(t, f3, layout)
 
 
 def apply_rotary_pos_emb_qk(

@@ -26,9 +26,12 @@ class _CausalSoftmaxFunction(torch.autograd.Function):
         return _ext.get_ext().scaled_upper_triang_masked_softmax_bwd(dy.contiguous(), y, ctx.scale), None
 
 
-def _reference(x: torch.Tensor, scale: float) -> torch.Tensor:
+def scaled_upper_triang_masked_softmax_reference(x: torch.Tensor, scale: float, in_fp32: bool = True) -> torch.Tensor:
+    """The op in plain PyTorch: the fallback off the GPU and the model's unfused path (its one reference).
+    ``in_fp32``: computed in fp32 (at least) and rounded once, as the kernel; False: in x's dtype, Megatron's
+    unfused softmax."""
     sq, sk = x.shape[-2], x.shape[-1]
-    compute = torch.promote_types(x.dtype, torch.float32)
+    compute = torch.promote_types(x.dtype, torch.float32) if in_fp32 else x.dtype
     mask = torch.triu(torch.ones(sq, sk, dtype=torch.bool, device=x.device), diagonal=1)
     scores = (x.to(compute) * scale).masked_fill(mask, float("-inf"))
     return torch.softmax(scores, dim=-1).to(x.dtype)
@@ -43,10 +46,6 @@ def scaled_upper_triang_masked_softmax(x: torch.Tensor, scale: float) -> torch.T
             f"scaled_upper_triang_masked_softmax: the causal mask needs sq == sk, got sq={x.shape[1]}, sk={x.shape[2]}"
         )
     scale = float(scale)
-    if (
-        _ext.use_kernel(x)
-        and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and x.shape[2] <= MAX_FUSED_SK
-    ):
+    if _ext.use_kernel(x) and x.shape[2] <= MAX_FUSED_SK:
         return _CausalSoftmaxFunction.apply(x.contiguous(), scale)
-    return _reference(x, scale)
+    return scaled_upper_triang_masked_softmax_reference(x, scale)

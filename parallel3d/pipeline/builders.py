@@ -4,7 +4,7 @@ rules, and what every builder shares: ``add_comm`` puts the sends and receives n
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 from .schedules import ANY_CHUNKS, Action, ActionKind, Builder, Schedule, ScheduleRecord, stage_location, virtual_stage
 

@@ -137,10 +137,6 @@ class Schedule:
                 out.append([action])
         return out
 
-    def comm_batches(self, rank: int) -> list[list[Action]]:
-        """The batches of comm actions rank issues, in order (each is one batch_isend_irecv)."""
-        return [step for step in self.steps(rank) if isinstance(step, list)]
-
     def __str__(self) -> str:
         header = (f"{self.name}: {self.num_stages} stages, {self.num_microbatches} microbatches, "
                   f"{self.num_model_chunks} model chunk(s) per rank; [..] = one comm batch")

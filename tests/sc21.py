@@ -1,4 +1,5 @@
-"""SC21 (Narayanan et al. 2021) Table 1 and Figure 12 settings, for the reproduction test and docs.
+"""SC21 (Narayanan et al. 2021) Table 1 and Figure 12 settings, for the planner's reproduction test
+(tests/test_planning.py; docs/planning.md shows the results).
 
 Parallel sizes, micro-batch sizes and interleaving are those of Megatron-LM's
 examples/sc21/run_table_1.sh and run_figure_12.sh (full recompute, "uniform" method).  The
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .hardware import ClusterSpec, get_cluster
-from .model import Layout, ModelSpec, sc21_flops
-from .step import StepEstimate, estimate
+from parallel3d.planning.hardware import ClusterSpec, get_cluster
+from parallel3d.planning.model import Layout, ModelSpec, sc21_flops
+from parallel3d.planning.step import StepEstimate, estimate
 
 
 @dataclass(frozen=True)
