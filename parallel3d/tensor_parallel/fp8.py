@@ -11,11 +11,14 @@ scales back out. Recipes (``--fp8-recipe``):
 
 - ``delayed`` (Megatron's default): the scale of each role comes from the amax history of the
   previous ``fp8_amax_history_len`` steps (``most_recent`` or ``max`` of it, divided by
-  ``2**fp8_margin``; the first step uses 1.0, as Transformer Engine does). A step's amaxes are the
+  ``2**fp8_margin``). A step's amaxes are the
   maximum over its microbatches, the TP and the DP ranks (``update_fp8_scaling``, once per step in
   ``finalize_model_grads``), so every layout quantizes with the same scales; history and scales
-  are buffers, saved in checkpoints. Transformer Engine updates after every microbatch; once per
-  optimizer step is what makes DP=k equal one process with k times the microbatches.
+  are buffers, saved in checkpoints. Two choices differ from Transformer Engine, both so that DP=k
+  equals one process with k times the microbatches: the update runs once per optimizer step, not
+  after every microbatch; and the first step, with no history yet, scales each tensor by its own
+  amax (tensorwise) instead of by 1.0 (a fixed scale is not invariant to the 1/microbatches factor
+  in the gradients, which differs between such layouts; amax-derived scales follow it exactly).
 - ``tensorwise`` (current scaling): the scale from this tensor's own amax.
 - ``rowwise`` (torchao/torchtitan's axiswise scaling, a parallel3d name: Megatron has none): one
   scale per row of each GEMM operand, along the dimension the GEMM does not contract.
@@ -152,6 +155,8 @@ class Fp8Scaling(nn.Module):
             self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
             self.register_buffer("scale", torch.ones(3, device=device))
             self.register_buffer("amax_pending", torch.zeros(3, device=device), persistent=False)
+            self.register_load_state_dict_post_hook(_history_loaded)
+        self.has_history = False  # delayed: no update yet, so the first step scales like tensorwise
 
     def extra_repr(self) -> str:
         return f"{self.recipe.format}, {self.recipe.recipe}, partition_dim={self.partition_dim}"
@@ -174,9 +179,8 @@ class Fp8Scaling(nn.Module):
         """Delayed scaling: this tensor's (local) amax joins the step's; TP and DP reduce at the update."""
         self.amax_pending[role] = torch.maximum(self.amax_pending[role], t.detach().abs().amax().float())
 
-    def scales_for_step(self) -> Optional[torch.Tensor]:
-        """The per-role scales a forward uses and its backward reuses (None: rowwise, per GEMM)."""
-        return self.scale.clone() if self.recipe.recipe == "delayed" else None
+    def _from_history(self) -> bool:
+        return self.recipe.recipe == "delayed" and self.has_history
 
     # --- quantize + GEMM ----------------------------------------------------------------------------
     def _fp8(self, t2d: torch.Tensor, role: int, scale: torch.Tensor, axis: Optional[int],
@@ -207,23 +211,25 @@ class Fp8Scaling(nn.Module):
               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(x @ weight^T + bias, the scales backward reuses). ``record``: a training forward (delayed
         scaling records its amaxes; an evaluation's do not change the next step's scales)."""
-        scales = self.scales_for_step()
+        scales = self.scale.clone() if self._from_history() else None  # backward uses this step's too
         if self.recipe.recipe == "delayed" and record:
             self._record(x2d, INPUT)
             self._record(weight, WEIGHT)
         x8, x_scale = self._operand(x2d, INPUT, "fprop", scales, x2d.dtype)
         w8, w_scale = self._operand(weight, WEIGHT, "fprop", scales, x2d.dtype)
         out = torch.mm(x8, w8.t()) if bias is None else torch.addmm(bias.to(x2d.dtype), x8, w8.t())
-        if self.recipe.recipe == "tensorwise":
+        if scales is None and self.recipe.recipe != "rowwise":  # current scales: grad_output's comes in dgrad
             scales = torch.stack([x_scale, w_scale, torch.zeros_like(x_scale)])
-        return out, scales
+        return out, (scales, self._from_history())
 
-    def dgrad(self, grad_output2d: torch.Tensor, weight: torch.Tensor, scales: Optional[torch.Tensor]
+    def dgrad(self, grad_output2d: torch.Tensor, weight: torch.Tensor, saved: tuple[Optional[torch.Tensor], bool]
               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(grad_output @ weight, the scales wgrad reuses: fprop's with grad_output's own)."""
+        """(grad_output @ weight, the scales wgrad reuses: fprop's with grad_output's). ``saved``: what
+        fprop returned (its scales, and whether they came from the history)."""
+        scales, from_history = saved
         if self.recipe.recipe == "delayed":
             self._record(grad_output2d, GRAD_OUTPUT)
-        elif self.recipe.recipe == "tensorwise":
+        if scales is not None and not from_history:
             scales = scales.clone()
             scales[GRAD_OUTPUT] = self._current_scale(grad_output2d, GRAD_OUTPUT, None)
         g8, _ = self._operand(grad_output2d, GRAD_OUTPUT, "dgrad", scales, grad_output2d.dtype)
@@ -248,6 +254,12 @@ class Fp8Scaling(nn.Module):
         keep = (use > 0) & torch.isfinite(use)  # no amax (a linear that did not run) or inf/nan: keep the scale
         self.scale.copy_(torch.where(keep, new, self.scale))
         self.amax_pending.zero_()
+        self.has_history = True
+
+
+def _history_loaded(module: Fp8Scaling, _incompatible_keys: Any) -> None:
+    """A loaded (checkpointed) history gives the next step's scales."""
+    module.has_history = bool(module.amax_history.any())
 
 
 def fp8_modules(modules: Iterable[nn.Module]) -> list[Fp8Scaling]:

@@ -92,7 +92,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if fp8 is None:
             return F.linear(total_x, weight, bias)
         # needs_input_grad: a training forward (an evaluation's amaxes must not move delayed scales)
-        out, ctx.fp8_scales = fp8.fprop(_2d(total_x), weight, bias, record=any(ctx.needs_input_grad[:2]))
+        out, ctx.fp8_saved = fp8.fprop(_2d(total_x), weight, bias, record=any(ctx.needs_input_grad[:2]))
         return out.view(*total_x.shape[:-1], out.size(-1))
 
     @staticmethod
@@ -107,7 +107,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if ctx.fp8 is None:
             grad_input = grad_output.matmul(weight)
         else:
-            grad_input, fp8_scales = ctx.fp8.dgrad(_2d(grad_output), weight, ctx.fp8_scales)
+            grad_input, fp8_scales = ctx.fp8.dgrad(_2d(grad_output), weight, ctx.fp8_saved)
             grad_input = grad_input.view(*grad_output.shape[:-1], grad_input.size(-1))
         if handle is not None:
             with tp_collective("all-gather of the sequence-parallel input", group):
