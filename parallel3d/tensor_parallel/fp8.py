@@ -207,12 +207,13 @@ class Fp8Scaling(nn.Module):
         scale = scales[role] if scales is not None else self._current_scale(t2d, role, None)
         return self._fp8(t2d, role, scale, None, out_dtype), scale
 
-    def fprop(self, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], record: bool
-              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(x @ weight^T + bias, the scales backward reuses). ``record``: a training forward (delayed
-        scaling records its amaxes; an evaluation's do not change the next step's scales)."""
+    def fprop(self, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+              ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], bool]]:
+        """(x @ weight^T + bias, what dgrad needs: the scales backward reuses and whether they came from
+        the history). Delayed scaling records the amaxes of a training forward only: a module in eval
+        mode (evaluation, generation) leaves the next step's scales alone."""
         scales = self.scale.clone() if self._from_history() else None  # backward uses this step's too
-        if self.recipe.recipe == "delayed" and record:
+        if self.recipe.recipe == "delayed" and self.training:
             self._record(x2d, INPUT)
             self._record(weight, WEIGHT)
         x8, x_scale = self._operand(x2d, INPUT, "fprop", scales, x2d.dtype)
