@@ -127,3 +127,69 @@ def test_fp8_layouts_train_like_a_single_process():
     torch.save(refs, buffer)
     results = run_distributed(_sweep, 8, args=(buffer.getvalue(),), timeout=600)
     assert all(len(r) == len(LAYOUTS) for r in results)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _delayed(iters, **kw):
+    return fp8_args("gpt2", "delayed", iters=iters, **kw)
+
+
+def test_delayed_scaling_resumes_exactly(tmp_path):
+    """4 iterations straight equal 2, save, load, 2 more: losses, gradient norms, weights and the FP8
+    amax history and scales, bit for bit. The history (4 steps, 'max') is what the resumed steps scale by."""
+    from safetensors.torch import load_file
+
+    save = str(tmp_path / "ckpt")
+    straight = train(_delayed(4))
+    first_args = _delayed(4)
+    first_args.save, first_args.save_interval, first_args.exit_interval = save, 2, 2
+    first = train(first_args)
+    saved = load_file(str(tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00_000" / "model.safetensors"))
+    state = {k[len("model0."):]: v for k, v in saved.items() if is_fp8_state_key(k)}
+    assert set(state) == set(fp8_state(first)) and all(torch.equal(state[k], v) for k, v in fp8_state(first).items())
+    assert any(state[k][:, 1].abs().max() > 0 for k in state if k.endswith("amax_history"))  # 2 steps of history
+    resumed_args = _delayed(4)
+    resumed_args.load = save
+    resumed = train(resumed_args)
+    assert [d["lm loss"] for d in resumed["losses"]] == [d["lm loss"] for d in straight["losses"][2:]]
+    assert resumed["grad_norms"] == straight["grad_norms"][2:]
+    for name, got in fp8_state(resumed).items():
+        assert torch.equal(got, fp8_state(straight)[name]), name
+    want = full_weights(straight)
+    for name, got in full_weights(resumed).items():
+        assert torch.equal(got, want[name]), name
+
+
+def test_conversion_exports_weights_only_and_fp8_state_is_optional_on_load(tmp_path):
+    """An FP8 (delayed) checkpoint converts to Hugging Face and to a parallel3d checkpoint with its weights only;
+    a run without FP8 loads it and a run with FP8 loads the converted one, each with a warning."""
+    import warnings
+
+    from parallel3d.tools.convert_checkpoint import convert
+    from parallel3d.training.checkpoint_integrity import CheckpointWarning
+    from safetensors.torch import load_file
+
+    args = _delayed(2)
+    args.save, args.save_interval = str(tmp_path / "fp8"), 2
+    trained = train(args)
+    convert("parallel3d", "hf", str(tmp_path / "fp8"), str(tmp_path / "hf"))
+    hf = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert hf and not [k for k in hf if "fp8" in k or "amax" in k or k.endswith(".scale")]
+    weights = full_weights(trained)
+    assert torch.equal(hf["transformer.h.0.mlp.c_fc.weight"].t(), weights["decoder.layers.0.mlp.linear_fc1.weight"])
+    convert("parallel3d", "parallel3d", str(tmp_path / "fp8"), str(tmp_path / "copy"))
+    converted = load_file(str(tmp_path / "copy" / "iter_0000002" / "mp_rank_00_000" / "model.safetensors"))
+    assert converted and not [k for k in converted if is_fp8_state_key(k)]
+
+    for load, fp8, says in ((str(tmp_path / "fp8"), False, "does not use"),
+                            (str(tmp_path / "copy"), True, "starts afresh")):
+        args = layout_args("gpt2", iters=3) if not fp8 else _delayed(3)
+        args.load, args.no_load_optim, args.no_load_rng, args.finetune = load, True, True, True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed = train(args)
+        assert any(issubclass(w.category, CheckpointWarning) and says in str(w.message) for w in caught), \
+            [str(w.message) for w in caught]
+        assert len(resumed["losses"]) == 3

@@ -103,7 +103,6 @@ class Fp8Recipe:
             raise Fp8ConfigError(f"fp8_amax_history_len must be a positive integer, got {self.amax_history_len!r}")
         if not isinstance(self.margin, int) or self.margin < 0:
             raise Fp8ConfigError(f"fp8_margin must be an integer >= 0, got {self.margin!r}")
-        torchao_float8()  # before any work: a missing torchao is said now, not at the first GEMM
 
     @classmethod
     def from_config(cls, config: Any) -> Optional["Fp8Recipe"]:
@@ -149,6 +148,7 @@ class Fp8Scaling(nn.Module):
     def __init__(self, recipe: Fp8Recipe, partition_dim: int, tp_group: Optional[dist.ProcessGroup],
                  device: Optional[torch.device] = None) -> None:
         super().__init__()
+        torchao_float8()  # a missing torchao is said when the layer is built, not at its first GEMM
         self.recipe, self.partition_dim, self.tp_group = recipe, partition_dim, tp_group
         self.emulate = recipe.emulate
         if recipe.recipe == "delayed":
