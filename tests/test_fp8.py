@@ -171,3 +171,55 @@ def test_model_runs_fp8_in_the_layers_and_bf16_in_the_output_layer():
     assert fp8 == {f"decoder.layers.{i}.{n}" for i in range(2)
                    for n in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                              "mlp.linear_fc2")}
+
+
+# ---------------------------------------------------------------- training flags
+
+def _validate(argv):
+    from parallel3d.training.arguments import parse_args, validate_args
+
+    tiny = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16"]
+    return validate_args(parse_args(tiny + list(argv)), 1)
+
+
+def test_fp8_flags_reach_the_model_config_with_megatrons_defaults():
+    from parallel3d.training import gpt
+
+    args = _validate(["--bf16", "--fp8-format", "hybrid"])
+    assert (args.fp8, args.fp8_recipe, args.fp8_margin, args.fp8_amax_history_len, args.fp8_amax_compute_algo,
+            args.fp8_wgrad) == ("hybrid", "delayed", 0, 1, "most_recent", True)
+    args = _validate(["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "delayed", "--fp8-margin", "1",
+                      "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max", "--no-fp8-wgrad"])
+    args.vocab_size = 100
+    config = gpt.transformer_config_from_args(args)
+    assert config.fp8_settings == Fp8Recipe(format="e4m3", recipe="delayed", margin=1, amax_history_len=16,
+                                            amax_compute_algo="max", wgrad=False)
+    assert "recipe delayed (amax history 16, max, margin 1" in config.fp8_settings.describe()
+    assert _validate(["--bf16"]).fp8 is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fp8-format", "hybrid"], "--fp8-format hybrid needs --bf16"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8 is not supported"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise is not supported"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-param-gather"], "--fp8-param-gather is not supported"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-dot-product-attention"],
+     "--fp8-dot-product-attention is not supported"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-multi-head-attention"], "--fp8-multi-head-attention is not supported"),
+    (["--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16"], "--first-last-layers-bf16 is not supported"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len must be >= 1"),
+    (["--bf16", "--fp4-format", "e2m1"], "--fp4-format is not supported"),
+])
+def test_fp8_refusals_name_the_flag(argv, message):
+    from parallel3d.training.arguments import ArgumentError
+
+    with pytest.raises(ArgumentError, match=message):
+        _validate(argv)
+
+
+def test_delayed_only_flags_warn_under_other_recipes(capsys):
+    _validate(["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "8"])
+    assert "--fp8-amax-history-len has no effect: they tune --fp8-recipe delayed, not tensorwise" in \
+        capsys.readouterr().err
+    _validate(["--bf16", "--no-fp8-wgrad"])
+    assert "--no-fp8-wgrad has no effect without --fp8-format" in capsys.readouterr().err
