@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import parallel_state as ps
-from parallel3d.tensor_parallel.fp8 import update_fp8_scaling
 from parallel3d.model_chunk import shared_weight
 from parallel3d.tensor_parallel import allreduce_sequence_parallel_gradients
+from parallel3d.tensor_parallel.fp8 import update_fp8_scaling
 
 from .ddp import DistributedDataParallel, ddp_chunks
 from .replica_check import check_replicas
