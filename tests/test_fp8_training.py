@@ -193,3 +193,12 @@ def test_conversion_exports_weights_only_and_fp8_state_is_optional_on_load(tmp_p
         assert any(issubclass(w.category, CheckpointWarning) and says in str(w.message) for w in caught), \
             [str(w.message) for w in caught]
         assert len(resumed["losses"]) == 2
+
+
+def test_the_training_log_names_the_fp8_recipe(monkeypatch):
+    from parallel3d.training import training
+
+    lines = []
+    monkeypatch.setattr(training, "print_rank_0", lambda *a, **k: lines.append(" ".join(map(str, a))))
+    train(fp8_args("llama", "rowwise", iters=2))
+    assert "FP8 e4m3 (e4m3), recipe rowwise, wgrad in FP8; output layer and embeddings in high precision" in lines
