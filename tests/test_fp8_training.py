@@ -132,8 +132,11 @@ def test_fp8_layouts_train_like_a_single_process():
 # ---------------------------------------------------------------- checkpoints
 
 
+SMALL = ["--global-batch-size", "4"]  # 2 microbatches: these tests check state, not layouts
+
+
 def _delayed(iters, **kw):
-    return fp8_args("gpt2", "delayed", iters=iters, **kw)
+    return fp8_args("gpt2", "delayed", iters=iters, extra=SMALL, **kw)
 
 
 def test_delayed_scaling_resumes_exactly(tmp_path):
@@ -185,7 +188,7 @@ def test_conversion_exports_weights_only_and_fp8_state_is_optional_on_load(tmp_p
 
     for load, fp8, says in ((str(tmp_path / "fp8"), False, "does not use"),
                             (str(tmp_path / "copy"), True, "starts afresh")):
-        args = layout_args("gpt2", iters=2) if not fp8 else _delayed(2)
+        args = layout_args("gpt2", iters=2, extra=SMALL) if not fp8 else _delayed(2)
         args.load, args.no_load_optim, args.no_load_rng, args.finetune = load, True, True, True
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -200,5 +203,5 @@ def test_the_training_log_names_the_fp8_recipe(monkeypatch):
 
     lines = []
     monkeypatch.setattr(training, "print_rank_0", lambda *a, **k: lines.append(" ".join(map(str, a))))
-    train(fp8_args("llama", "rowwise", iters=2))
+    train(fp8_args("llama", "rowwise", iters=2, extra=SMALL))
     assert "FP8 e4m3 (e4m3), recipe rowwise, wgrad in FP8; output layer and embeddings in high precision" in lines
