@@ -139,30 +139,50 @@ def _delayed(iters, **kw):
     return fp8_args("gpt2", "delayed", iters=iters, extra=SMALL, **kw)
 
 
-def test_delayed_scaling_resumes_exactly(tmp_path):
-    """4 iterations straight equal 2, save, load, 2 more: losses, gradient norms, weights and the FP8
-    amax history and scales, bit for bit. The history (4 steps, 'max') is what the resumed steps scale by."""
+def _resume(rank, world_size, save):
+    """Straight, first half + save, resumed: at TP=2 + SP, DP=2 with ZeRO-1 (world 4)."""
     from safetensors.torch import load_file
 
-    save = str(tmp_path / "ckpt")
-    straight = train(_delayed(4))
-    first_args = _delayed(4)
-    first_args.save, first_args.save_interval, first_args.exit_interval = save, 2, 2
-    first = train(first_args)
-    saved = load_file(str(tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00_000" / "model.safetensors"))
-    state = {k[len("model0."):]: v for k, v in saved.items() if is_fp8_state_key(k)}
-    assert set(state) == set(fp8_state(first)) and all(torch.equal(state[k], v) for k, v in fp8_state(first).items())
-    assert any(state[k][:, 1].abs().max() > 0 for k in state if k.endswith("amax_history"))  # 2 steps of history
-    resumed_args = _delayed(4)
-    resumed_args.load = save
-    resumed = train(resumed_args)
-    assert [d["lm loss"] for d in resumed["losses"]] == [d["lm loss"] for d in straight["losses"][2:]]
-    assert resumed["grad_norms"] == straight["grad_norms"][2:]
-    for name, got in fp8_state(resumed).items():
-        assert torch.equal(got, fp8_state(straight)[name]), name
-    want = full_weights(straight)
-    for name, got in full_weights(resumed).items():
-        assert torch.equal(got, want[name]), name
+    out = {}
+    for name in ("straight", "first", "resumed"):
+        args = _delayed(4, tp=2, sp=True, world=world_size)
+        args.use_distributed_optimizer = True
+        if name == "first":  # a job of 4 iterations stopped after 2 (the straight run's LR schedule)
+            args.save, args.save_interval, args.exit_interval = save, 2, 2
+        if name == "resumed":
+            args.load = save
+        ps.initialize_model_parallel(2, 1)
+        try:
+            result = train(args)
+            out[name] = ([d["lm loss"] for d in result["losses"]], result["grad_norms"], fp8_state(result),
+                         full_weights_of_shards(result))
+            if name == "first":
+                tp_rank = ps.get_tensor_model_parallel_rank()
+                saved = load_file(f"{save}/iter_0000002/mp_rank_{tp_rank:02d}_000/model.safetensors")
+                out["saved"] = {k[len("model0."):]: v for k, v in saved.items() if is_fp8_state_key(k)}
+        finally:
+            ps.destroy_model_parallel()
+    return out
+
+
+def full_weights_of_shards(result):
+    return {n: p.detach().clone() for n, p in result["model"][0].module.named_parameters()}
+
+
+def test_delayed_scaling_resumes_exactly(tmp_path):
+    """4 iterations straight equal 2, save, load, 2 more, at TP=2 + SP and DP=2 with ZeRO-1: losses,
+    gradient norms, weights and the FP8 amax history and scales, bit for bit, on every rank. The
+    history (4 steps, 'max') is what the resumed steps scale by, and each TP rank's file holds it."""
+    for r in run_distributed(_resume, 4, args=(str(tmp_path / "ckpt"),), timeout=300):
+        (straight, first, resumed), saved = (r["straight"], r["first"], r["resumed"]), r["saved"]
+        assert set(saved) == set(first[2]) and all(torch.equal(saved[k], v) for k, v in first[2].items())
+        assert any(saved[k][:, 1].abs().max() > 0 for k in saved if k.endswith("amax_history"))  # 2 steps of it
+        assert first[0] == straight[0][:2] and resumed[0] == straight[0][2:]
+        assert resumed[1] == straight[1][2:]
+        for name, got in resumed[2].items():
+            assert torch.equal(got, straight[2][name]), name
+        for name, got in resumed[3].items():
+            assert torch.equal(got, straight[3][name]), name
 
 
 def test_conversion_exports_weights_only_and_fp8_state_is_optional_on_load(tmp_path):
