@@ -26,6 +26,7 @@ import torch
 from parallel3d.parallel_state import check_virtual_pipeline_size
 from parallel3d.pipeline.layout import layers_per_virtual_stage
 from parallel3d.tensor_parallel import vocab_size_with_padding
+from parallel3d.tensor_parallel.fp8 import Fp8Recipe
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -123,6 +124,14 @@ class TransformerConfig:
     bf16: bool = False
     fp16: bool = False
     attention_softmax_in_fp32: bool = True  # "local" attention: softmax statistics in fp32
+    # FP8 GEMMs in the transformer layers' linears (Megatron's fields; parallel3d/tensor_parallel/fp8.py).
+    # The output layer and the embeddings stay in params_dtype.
+    fp8: Optional[str] = None  # None | "e4m3" | "hybrid" (e4m3 forward, e5m2 gradients)
+    fp8_recipe: str = "delayed"  # "delayed" | "tensorwise" | "rowwise" (ours: torchao's axiswise scaling)
+    fp8_margin: int = 0  # delayed only: scale = fp8_max / amax / 2**margin
+    fp8_amax_history_len: int = 1  # delayed only: steps of amax history per tensor
+    fp8_amax_compute_algo: str = "most_recent"  # delayed only: "most_recent" | "max" of the history
+    fp8_wgrad: bool = True  # False: the weight-gradient GEMM in high precision
 
     # --- kernels: each flag off = the op's PyTorch reference (the rule: parallel3d/fused) ---
     attention_backend: str = "sdpa"
@@ -205,6 +214,7 @@ class TransformerConfig:
                 )
 
         self._check_precision()
+        self._fp8 = Fp8Recipe.from_config(self)  # checked now, before any parameter exists
         self._check_tensor_parallel()
         self._check_pipeline_split()
 
@@ -297,11 +307,17 @@ class TransformerConfig:
             num_query_groups=self.num_query_groups, ffn_hidden_size=self.ffn_hidden_size, swiglu=self.swiglu,
             padded_vocab_size=self.padded_vocab_size)
 
-    def linear_kwargs(self, tp_group: Optional[Any]) -> dict[str, Any]:
-        """The keywords every parallel linear of the model takes from this config."""
+    def linear_kwargs(self, tp_group: Optional[Any], fp8: bool = True) -> dict[str, Any]:
+        """The keywords every parallel linear of the model takes from this config; ``fp8=False``: this
+        linear stays in params_dtype whatever the FP8 fields say (the output layer)."""
         return dict(sequence_parallel=self.sequence_parallel,
                     gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-                    params_dtype=self.params_dtype, tp_group=tp_group)
+                    params_dtype=self.params_dtype, tp_group=tp_group, fp8=(fp8 and self._fp8) or False)
+
+    @property
+    def fp8_settings(self) -> Optional[Fp8Recipe]:
+        """The FP8 recipe these fields describe (None: no FP8), built and checked once."""
+        return self._fp8
 
     @property
     def rotary_dim(self) -> int:

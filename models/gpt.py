@@ -193,7 +193,7 @@ class GPTModel(nn.Module):
                     config.hidden_size, config.padded_vocab_size, bias=False, gather_output=False,
                     init_method=vocab_init(init_method_normal(config.init_method_std), config.vocab_size),
                     skip_weight_param_allocation=pre_process and tied,
-                    **config.linear_kwargs(self.tp_group),
+                    **config.linear_kwargs(self.tp_group, fp8=False),  # the LM head stays in bf16
                 )
         self._mark_embedding_parameters()
 

@@ -3,6 +3,7 @@ namespace, console scripts, the project-local venv of the README's commands, and
 import ast
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def test_dependencies_are_the_imported_ones():
     """Every third-party import of the installed code is a dependency or an extra, and each dependency is used."""
     project = PYPROJECT["project"]
     deps = {d.split(">")[0].split("=")[0].strip() for d in project["dependencies"]}
-    extras = {d for group in project["optional-dependencies"].values() for d in group}
+    extras = {re.split(r"[<>=!~ ]", d)[0] for group in project["optional-dependencies"].values() for d in group}
     own = {"parallel3d"} | set(sys.stdlib_module_names)
     imported = {_DIST.get(m, m) for f in _python_files("parallel3d", "models", "tools") for m in _top_level_imports(f)}
     third_party = imported - own

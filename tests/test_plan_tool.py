@@ -91,3 +91,8 @@ def test_a_typo_among_pretrain_flags_is_still_refused():
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 2 and "unrecognized arguments: --trian-iters 5" in r.stderr
 
+
+
+def test_fp8_is_noted_as_not_modelled(capsys):
+    assert plan.main(PRETRAIN + ["--bf16", "--fp8-format", "hybrid"]) == 0
+    assert "--fp8-format hybrid not modelled: the plan prices bf16 GEMMs" in capsys.readouterr().err

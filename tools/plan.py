@@ -54,6 +54,8 @@ def _training_flags(rest: list[str], p: argparse.ArgumentParser) -> None:
     unmodelled = [f"--{k.replace('_', '-')}" for k in UNMODELLED if getattr(known, k) != defaults[k]]
     if unmodelled:
         print(f"note: the plan splits the layers its own way; {', '.join(unmodelled)} not modelled", file=sys.stderr)
+    if known.fp8 is not None:
+        print(f"note: --fp8-format {known.fp8} not modelled: the plan prices bf16 GEMMs", file=sys.stderr)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -9,7 +9,9 @@ Called once per iteration after the last backward (the pipeline executor calls
 3. the tied word embedding lives on the first and the last pipeline stage: sum
    its two gradients over the embedding group (a learned position embedding lives
    on the first stage only: nothing to sum);
-4. per-token loss: divide every gradient by the global number of tokens.
+4. per-token loss: divide every gradient by the global number of tokens;
+5. FP8 delayed scaling: this step's amaxes (max over TP and DP) enter each linear's history and
+   give the next step's scales (``tensor_parallel.fp8.update_fp8_scaling``).
 
 On its first call for a set of chunks it also checks that the copies which must agree do
 (``replica_check.py``): replicated parameters across TP ranks, the tied embedding across stages.
@@ -30,6 +32,7 @@ from torch import nn
 from parallel3d import parallel_state as ps
 from parallel3d.model_chunk import shared_weight
 from parallel3d.tensor_parallel import allreduce_sequence_parallel_gradients
+from parallel3d.tensor_parallel.fp8 import update_fp8_scaling
 
 from .ddp import DistributedDataParallel, ddp_chunks
 from .replica_check import check_replicas
@@ -136,6 +139,7 @@ def finalize_model_grads(model_chunks, num_tokens: Optional[torch.Tensor] = None
 
     for chunk in chunks:
         chunk.finish_grad_sync()
+    update_fp8_scaling(chunks, chunks[0].dp_group)
     _allreduce_layernorm_grads(chunks, state)
     _allreduce_word_embedding_grads(chunks, state)
     if not getattr(chunks[0], "replicas_checked", False):  # the first step: values still initial, gradients final

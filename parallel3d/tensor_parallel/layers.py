@@ -15,7 +15,7 @@ finalisation read:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device import default_device
+from .fp8 import Fp8Recipe, Fp8Scaling
 from .linear_functions import linear_with_grad_accumulation_and_async_allreduce
 from .mappings import (
     all_reduce,
@@ -111,7 +112,8 @@ class _ParallelLinear(nn.Module):
 
     Settings come as keywords or, as Megatron's layers take them, from ``config`` (a
     ModelParallelConfig/TransformerConfig-like object: ``params_dtype``, ``sequence_parallel``,
-    ``gradient_accumulation_fusion``, ``use_cpu_initialization``, ``perform_initialization``); a
+    ``gradient_accumulation_fusion``, ``use_cpu_initialization``, ``perform_initialization``, and
+    the FP8 fields ``fp8``, ``fp8_recipe``, ... that ``fp8`` takes from it: tensor_parallel/fp8.py); a
     keyword given wins over the config's field.
 
     ``sequence_parallel`` is taken as given (Megatron-Core's layers trust their config): the model
@@ -130,7 +132,7 @@ class _ParallelLinear(nn.Module):
                  gradient_accumulation_fusion: Optional[bool] = None, params_dtype: Optional[torch.dtype] = None,
                  perform_initialization: Optional[bool] = None, device: Optional[torch.device] = None,
                  tp_group: Optional[dist.ProcessGroup] = None, allocate_weight: bool = True,
-                 **megatron_keywords: Any) -> None:
+                 fp8: Union[Fp8Recipe, bool, None] = None, **megatron_keywords: Any) -> None:
         super().__init__()
         _check_megatron_keywords(type(self).__name__, megatron_keywords, config)
         self.config = config
@@ -154,6 +156,7 @@ class _ParallelLinear(nn.Module):
                 _init_partition(self.weight, (output_size, input_size), partition_dim,
                                 init_method or init_method_normal(0.02), rank, world, stride)
             set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride)
+        self._init_fp8(fp8, config, partition_dim)
         if not bias:
             self.register_parameter("bias", None)
             return
@@ -163,6 +166,12 @@ class _ParallelLinear(nn.Module):
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
         else:  # replicated; applied to a sequence shard under SP, so its gradient needs a TP sum
             self.bias.sequence_parallel = self.sequence_parallel
+
+    def _init_fp8(self, fp8: Union[Fp8Recipe, bool, None], config: Any, partition_dim: int) -> None:
+        """``fp8``: a recipe, False (never: the output layer), or None (``config``'s fp8 fields, as
+        Megatron's layers read them)."""
+        recipe = Fp8Recipe.from_config(config) if fp8 is None else (fp8 or None)
+        self.fp8_scaling = None if recipe is None else Fp8Scaling(recipe, partition_dim, self.tp_group, self.device)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, weight={None if self.weight is None else tuple(self.weight.shape)}, "
@@ -208,7 +217,7 @@ class ColumnParallelLinear(_ParallelLinear):
         bias = self.bias if not self.skip_bias_add else None
         out = linear_with_grad_accumulation_and_async_allreduce(
             x, weight, bias, self.gradient_accumulation_fusion, self.allreduce_dgrad,
-            self.sequence_parallel, self.tp_group,
+            self.sequence_parallel, self.tp_group, self.fp8_scaling,
         )
         out_bias = self.bias if self.skip_bias_add else None
         if self.gather_output:
@@ -237,7 +246,8 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor):
         x_parallel = x if self.input_is_parallel else scatter_to_tensor_model_parallel_region(x, self.tp_group)
         out = linear_with_grad_accumulation_and_async_allreduce(
-            x_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False, self.tp_group
+            x_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False, self.tp_group,
+            self.fp8_scaling,
         )
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)

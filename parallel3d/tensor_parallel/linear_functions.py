@@ -9,11 +9,15 @@ so it is not here.
 
 The weight gradient goes through ``weight_gradient``: deferred to a zero-bubble W, fused into
 ``main_grad``, or returned to autograd.
+
+With ``fp8`` (a linear's :class:`~parallel3d.tensor_parallel.fp8.Fp8Scaling`) the three GEMMs run in
+FP8 (fp8.py); the communication and the weight gradient's destinations are the same. Without it
+(None) the code below is the bf16/fp32 path unchanged.
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,24 +25,31 @@ import torch.nn.functional as F
 
 from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
 from . import wgrad_store
+from .fp8 import Fp8Scaling
 from .mappings import gather_along_first_dim
 from .utils import group_rank_and_size, resolve_tp_group, tp_collective
 
 
 def weight_gradient(weight: torch.Tensor, total_x_2d: torch.Tensor, grad_output_2d: torch.Tensor,
-                    fused: bool) -> Optional[torch.Tensor]:
+                    fused: bool, gemm: Optional[Callable] = None) -> Optional[torch.Tensor]:
     """What backward returns for ``weight`` (grad_output^T @ input), or None where it went elsewhere.
 
     A zero-bubble B defers the GEMM to the schedule's W (the input gradient and its collective stay
-    on the critical path). With ``fused`` and a DDP ``main_grad``, the GEMM accumulates into it."""
+    on the critical path). With ``fused`` and a DDP ``main_grad``, the GEMM accumulates into it.
+    ``gemm(grad_output_2d, total_x_2d)``: the FP8 GEMM (fp32 result) instead of matmul / the fused kernel."""
     if wgrad_store.defer(weight, functools.partial(wgrad_store.add_weight_grad, weight, total_x_2d,
-                                                   grad_output_2d, fused)):
+                                                   grad_output_2d, fused, gemm)):
         return None
     if not (fused and hasattr(weight, "main_grad")):
+        if gemm is not None:
+            return gemm(grad_output_2d, total_x_2d).to(weight.dtype)
         return grad_output_2d.t().matmul(total_x_2d)
-    from parallel3d.fused import wgrad_accumulate
+    if gemm is not None:
+        weight.main_grad.add_(gemm(grad_output_2d, total_x_2d))
+    else:
+        from parallel3d.fused import wgrad_accumulate
 
-    wgrad_accumulate(total_x_2d, grad_output_2d, weight.main_grad)
+        wgrad_accumulate(total_x_2d, grad_output_2d, weight.main_grad)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     # The DDP hook needs a gradient to fire on, and is told not to add it. A weight with other uses
@@ -66,8 +77,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group):
+    def forward(ctx, x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group,
+                fp8=None):
         ctx.save_for_backward(x, weight)
+        ctx.fp8 = fp8
         ctx.use_bias = bias is not None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
         ctx.allreduce_dgrad = allreduce_dgrad
@@ -76,7 +89,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         total_x = gather_along_first_dim(x, group) if sequence_parallel else x
         # F.linear, not matmul then "+ bias": cuBLAS adds the bias in the GEMM's epilogue. The separate
         # broadcast add was a 13 ms kernel of a GPT-1.3B step on one H100 (the QKV bias, 2.4%).
-        return F.linear(total_x, weight, bias)
+        if fp8 is None:
+            return F.linear(total_x, weight, bias)
+        out, ctx.fp8_saved = fp8.fprop(_2d(total_x), weight, bias)
+        return out.view(*total_x.shape[:-1], out.size(-1))
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -87,7 +103,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if ctx.sequence_parallel and size > 1:  # the input's gather (for wgrad) runs beside the dgrad GEMM
             total_x = torch.empty((size * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
             handle = all_gather_into_tensor(total_x, x.contiguous(), group=group, async_op=True)
-        grad_input = grad_output.matmul(weight)
+        if ctx.fp8 is None:
+            grad_input = grad_output.matmul(weight)
+        else:
+            grad_input, fp8_scales = ctx.fp8.dgrad(_2d(grad_output), weight, ctx.fp8_saved)
+            grad_input = grad_input.view(*grad_output.shape[:-1], grad_input.size(-1))
         if handle is not None:
             with tp_collective("all-gather of the sequence-parallel input", group):
                 handle.wait()
@@ -106,7 +126,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             handle = dist.all_reduce(grad_input, group=group, async_op=True)
 
         grad_output_2d = _2d(grad_output)
-        grad_weight = weight_gradient(weight, _2d(total_x), grad_output_2d, ctx.gradient_accumulation_fusion)
+        gemm = None
+        if ctx.fp8 is not None and ctx.fp8.recipe.wgrad:  # else fp8_wgrad=False: the high-precision GEMM
+            gemm = functools.partial(ctx.fp8.wgrad, scales=fp8_scales)
+        grad_weight = weight_gradient(weight, _2d(total_x), grad_output_2d, ctx.gradient_accumulation_fusion, gemm)
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
 
         if handle is not None:
@@ -114,7 +137,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 handle.wait()
         if ctx.sequence_parallel and size > 1:
             grad_input = sub_grad_input
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
@@ -125,9 +148,12 @@ def linear_with_grad_accumulation_and_async_allreduce(
     allreduce_dgrad: bool = False,
     sequence_parallel: bool = False,
     group: Optional[dist.ProcessGroup] = None,
+    fp8: Optional[Fp8Scaling] = None,
 ) -> torch.Tensor:
     """Megatron's linear with the TP communication of its backward; ``group=None`` = the default
-    TP group (a single process when none is initialised), as for every tensor-parallel function."""
+    TP group (a single process when none is initialised), as for every tensor-parallel function.
+    ``fp8``: the linear's FP8 recipe and state (None: no FP8)."""
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
-        x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, resolve_tp_group(group)
+        x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, resolve_tp_group(group),
+        fp8,
     )

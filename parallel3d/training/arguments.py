@@ -25,6 +25,7 @@ from parallel3d.training.argument_rules import (  # noqa: F401 - ArgumentError i
     report_bad_input,
 )
 from parallel3d.training.arguments_help import add_help
+from parallel3d.training.fp8_args import add_fp8_args, fp8_ineffective, fp8_problems
 from parallel3d.training.megatron_args import (
     ATTENTION_BACKENDS,
     REFUSED_TOKENIZERS,
@@ -209,6 +210,7 @@ def build_parser(extra_args_provider: Optional[Callable[[argparse.ArgumentParser
     _add_data_args(p)
     _add_logging_and_checkpoint_args(p)
     add_megatron_args(p)
+    add_fp8_args(p)
     if extra_args_provider is not None:
         extra_args_provider(p)
     add_help(p)
@@ -285,8 +287,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         check_refusals(args)
     except MegatronFlagError as e:
         problems.append(str(e))
+    problems += fp8_problems(args)
     raise_problems(problems)
-    for warning in ineffective_flags(args, _parser_defaults()):
+    for warning in ineffective_flags(args, _parser_defaults()) + fp8_ineffective(args, _parser_defaults()):
         _notice(warning, "warning")
 
     if args.num_layers_per_virtual_pipeline_stage is not None:

@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from dataclasses import asdict, is_dataclass
 from typing import Any, Optional, Sequence
 
@@ -73,6 +74,7 @@ from parallel3d.training.checkpoint_metadata import (  # noqa: F401 - this modul
 from parallel3d.device import default_device
 from parallel3d.model_chunk import unwrap
 from parallel3d.tensor_parallel import get_cuda_rng_tracker
+from parallel3d.tensor_parallel.fp8 import is_fp8_state_key
 
 _DEBRIS = re.compile(r"^iter_\d+\.(tmp|old)$")
 
@@ -363,8 +365,10 @@ def load_model_shards(ckpt_dir: str, tp_rank: int, pp_rank: int,
 
 
 def load_model_state(chunks: Sequence[torch.nn.Module], tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Copy shards into the model chunks; every key and shape must match."""
-    expected = set()
+    """Copy shards into the model chunks; every key and shape must match. FP8 delayed-scaling state is
+    the exception, with a warning: a run that turned FP8 delayed scaling on (or a converted checkpoint,
+    which holds weights only) starts a fresh amax history, one that turned it off leaves it."""
+    expected, fresh = set(), []
     for c, chunk in enumerate(chunks):
         module = unwrap(chunk)
         own = module.state_dict()
@@ -372,6 +376,10 @@ def load_model_state(chunks: Sequence[torch.nn.Module], tensors: dict[str, torch
         sub = {}
         for name, t in own.items():
             key = f"model{c}.{name}"
+            if key not in tensors and is_fp8_state_key(name):
+                fresh.append(key)
+                sub[name] = t
+                continue
             if key not in tensors:
                 raise CheckpointError(f"{where}: missing tensor {key}")
             if tuple(tensors[key].shape) != tuple(t.shape):
@@ -379,7 +387,13 @@ def load_model_state(chunks: Sequence[torch.nn.Module], tensors: dict[str, torch
                                       f"the model expects {tuple(t.shape)}")
             sub[name] = tensors[key]
         module.load_state_dict(sub, strict=True)
-    extra = sorted(set(tensors) - expected)
+    unused = sorted(k for k in set(tensors) - expected if is_fp8_state_key(k))
+    if fresh or unused:
+        warnings.warn(f"{where}: " + (f"holds no FP8 delayed-scaling state for {len(fresh)} tensors ({fresh[0]} ...): "
+                                      "their amax history starts afresh" if fresh else
+                                      f"holds FP8 delayed-scaling state ({len(unused)} tensors) that this run, "
+                                      "without --fp8-recipe delayed, does not use"), CheckpointWarning, stacklevel=2)
+    extra = sorted(set(tensors) - expected - set(unused))
     if extra:
         raise CheckpointError(f"{where}: unexpected tensors {extra[:5]}{' ...' if len(extra) > 5 else ''}")
 

@@ -27,7 +27,6 @@ REFUSED: dict[str, str] = {
                          "collectives run beside the other pieces' GEMMs; BENCHMARKS.md): a collective beside a "
                          "cuBLAS GEMM waits for the GEMM's SMs. Omit the flag; without --sequence-parallel TP=2 "
                          "measured faster where its memory fits",
-    "--fp8-format": "FP8 is not implemented; use --bf16",
     "--ckpt-format": "parallel3d has one checkpoint format (a safetensors file per TP/PP rank, Megatron's directory "
                      "names); omit the flag. tools/convert_checkpoint.py converts to and from Hugging Face",
     "--use-dist-ckpt": "parallel3d has one checkpoint format; omit the flag (see --ckpt-format)",

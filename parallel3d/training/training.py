@@ -68,6 +68,9 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
               exit_signal: Optional[ExitSignalHandler]) -> dict[str, Any]:
     ckpt, loop = config.checkpoint, config.loop
     model = get_model(model_provider, config)
+    fp8 = getattr(model_config, "fp8_settings", None)
+    if fp8 is not None:
+        print_rank_0(fp8.describe())
     optimizer = get_megatron_optimizer(config.optimizer, model)
     scheduler = get_optimizer_param_scheduler(optimizer, config)
 

@@ -5,7 +5,8 @@ Loader: reads the layout and model config from ``metadata.json``, finds which la
 checks every file's tensor names, shapes and TP splits against the model before any tensor
 is read. A unit is then read from the memory-mapped shard files of its pipeline rank and
 merged over TP. A tied output layer's copy on the last stage is checked for its shape and
-otherwise ignored: the embedding is the tied weight.
+otherwise ignored: the embedding is the tied weight. FP8 delayed-scaling state (``*.fp8_scaling.*``)
+is not a weight: it is skipped, and a conversion writes the weights only.
 
 Saver: one streaming safetensors file per (TP, PP) rank, written as units arrive, with the
 same names (``model{chunk}.{param}``), ``tensor_parallel_splits`` metadata and directory
@@ -27,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from parallel3d.models.config import TransformerConfig
+from parallel3d.tensor_parallel.fp8 import is_fp8_state_key
 from parallel3d.training.checkpoint_integrity import FILES_KEY, check_file, check_shard_header, confined_path
 from parallel3d.training.checkpointing import (
     FORMAT_VERSION,
@@ -218,7 +220,7 @@ class Parallel3dLoader:
             want = expected_rank_tensors(cfg, self._counts, p, self.placement)
             keys = set(f.keys())
             missing = [k for k in want if k not in keys]
-            extra = sorted(keys - set(want))
+            extra = sorted(k for k in keys - set(want) if not is_fp8_state_key(k))  # FP8 scales: not weights
             if missing or extra:
                 raise ConversionError(f"{where}: " + "; ".join(
                     ([f"missing tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}"] if missing else [])

@@ -1,0 +1,290 @@
+"""FP8 GEMMs of the tensor-parallel linears: Megatron's recipe fields, torchao's float8 primitives.
+
+A linear has three GEMMs, each on two quantized operands (roles, torchao's names):
+
+    fprop  out        = input       @ weight^T    e4m3 x e4m3
+    dgrad  grad_input = grad_output @ weight      grad_output e5m2 under "hybrid", e4m3 under "e4m3"
+    wgrad  grad_weight= grad_output^T @ input     high precision (the bf16/fp32 path) with fp8_wgrad=False
+
+A tensor is quantized as ``fp8(t * scale)`` with ``scale = fp8_max / amax``; the GEMM divides the
+scales back out. Recipes (``--fp8-recipe``):
+
+- ``delayed`` (Megatron's default): the scale of each role comes from the amax history of the
+  previous ``fp8_amax_history_len`` steps (``most_recent`` or ``max`` of it, divided by
+  ``2**fp8_margin``). A step's amaxes are the
+  maximum over its microbatches, the TP and the DP ranks (``update_fp8_scaling``, once per step in
+  ``finalize_model_grads``), so every layout quantizes with the same scales; history and scales
+  are buffers, saved in checkpoints. Two choices differ from Transformer Engine, both so that DP=k
+  equals one process with k times the microbatches: the update runs once per optimizer step, not
+  after every microbatch; and the first step, with no history yet, scales each tensor by its own
+  amax (tensorwise) instead of by 1.0 (a fixed scale is not invariant to the 1/microbatches factor
+  in the gradients, which differs between such layouts; amax-derived scales follow it exactly).
+- ``tensorwise`` (current scaling): the scale from this tensor's own amax.
+- ``rowwise`` (torchao/torchtitan's axiswise scaling, a parallel3d name: Megatron has none): one
+  scale per row of each GEMM operand, along the dimension the GEMM does not contract.
+
+TP: a shard's amax is made the full tensor's (a MAX all-reduce over the TP group) wherever the
+amax covers the split dimension, so TP=k quantizes exactly like TP=1. Sequence parallelism
+quantizes the gathered input. On CUDA the GEMMs are ``torch._scaled_mm`` through torchao; elsewhere
+torchao's emulation (dequantize, fp32 matmul), so the CPU tests run the same numerics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..collectives import all_reduce_over
+from .utils import group_rank_and_size, tp_collective
+
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("delayed", "tensorwise", "rowwise")
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+# Megatron's --fp8-recipe values with no implementation here, and what to use instead.
+REFUSED_RECIPES = {
+    "mxfp8": "MXFP8 needs Blackwell GPUs and is not implemented; use rowwise (per-row scales) or tensorwise",
+    "blockwise": "blockwise scaling is not implemented; use rowwise (per-row scales) or tensorwise",
+    "custom": "custom quantizer factories are not implemented; use delayed, tensorwise or rowwise",
+}
+INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
+ROLES = ("input", "weight", "grad_output")
+# The submodule name that holds a linear's FP8 state in the model's state dict.
+STATE_MODULE = "fp8_scaling"
+
+
+class Fp8ConfigError(ValueError):
+    pass
+
+
+@functools.lru_cache(maxsize=1)
+def torchao_float8() -> Any:
+    """torchao's float8 modules, imported on first use; a clear error without the fp8 extra."""
+    level = logging.getLogger("torchao").level
+    if not torch.cuda.is_available():  # its CUDA-only extensions cannot load on a CPU build: not a problem here
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+    try:
+        from torchao.float8 import float8_training_tensor as tensor
+        from torchao.float8 import float8_utils as utils
+    except ImportError as e:
+        raise ImportError(f"FP8 training (--fp8-format) needs torchao: pip install 'parallel3d[fp8]' "
+                          f"(torchao 0.18 for torch 2.11+); import failed: {e}") from None
+    finally:
+        logging.getLogger("torchao").setLevel(level)
+    return tensor, utils
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """Megatron's FP8 settings (TransformerConfig's fp8, fp8_recipe, fp8_margin, fp8_amax_history_len,
+    fp8_amax_compute_algo, fp8_wgrad), checked once. ``emulate``: None = emulated off CUDA only."""
+    format: str = "hybrid"
+    recipe: str = "delayed"
+    margin: int = 0
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    wgrad: bool = True
+    emulate: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise Fp8ConfigError(f"fp8={self.format!r} is not an FP8 format; use one of {FORMATS}")
+        if self.recipe in REFUSED_RECIPES:
+            raise Fp8ConfigError(f"fp8_recipe={self.recipe!r} is not supported: {REFUSED_RECIPES[self.recipe]}")
+        if self.recipe not in RECIPES:
+            raise Fp8ConfigError(f"fp8_recipe={self.recipe!r} is not a recipe; use one of {RECIPES}")
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise Fp8ConfigError(f"fp8_amax_compute_algo={self.amax_compute_algo!r}; use one of {AMAX_COMPUTE_ALGOS}")
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise Fp8ConfigError(f"fp8_amax_history_len must be a positive integer, got {self.amax_history_len!r}")
+        if not isinstance(self.margin, int) or self.margin < 0:
+            raise Fp8ConfigError(f"fp8_margin must be an integer >= 0, got {self.margin!r}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> Optional["Fp8Recipe"]:
+        """The recipe of a Megatron-style config (None where ``config.fp8`` is None: no FP8)."""
+        if getattr(config, "fp8", None) is None:
+            return None
+        return cls(format=config.fp8, recipe=getattr(config, "fp8_recipe", "delayed"),
+                   margin=getattr(config, "fp8_margin", 0),
+                   amax_history_len=getattr(config, "fp8_amax_history_len", 1),
+                   amax_compute_algo=getattr(config, "fp8_amax_compute_algo", "most_recent"),
+                   wgrad=getattr(config, "fp8_wgrad", True))
+
+    def dtype(self, role: int) -> torch.dtype:
+        return torch.float8_e5m2 if role == GRAD_OUTPUT and self.format == "hybrid" else torch.float8_e4m3fn
+
+    def describe(self) -> str:
+        """One line for the training log."""
+        text = f"FP8 {self.format} ({'e4m3 forward, e5m2 gradients' if self.format == 'hybrid' else 'e4m3'}), " \
+               f"recipe {self.recipe}"
+        if self.recipe == "delayed":
+            text += (f" (amax history {self.amax_history_len}, {self.amax_compute_algo}, margin {self.margin}, "
+                     "updated once per step)")
+        text += ", wgrad in FP8" if self.wgrad else ", wgrad in high precision"
+        return text + "; output layer and embeddings in high precision"
+
+
+# Which dimension of each 2D operand is split over TP: [partition_dim][role]. A column-parallel
+# linear (weight split along its output, dim 0) sees the whole input and a slice of the output's
+# gradient; a row-parallel one (weight split along its input, dim 1) a slice of the input.
+_SPLIT_DIM = {0: (None, 0, 1), 1: (1, 1, None)}
+# rowwise: the dimension each operand's amax runs over (the GEMM's contracted one), per GEMM.
+_ROWWISE_AXIS = {"fprop": {INPUT: 1, WEIGHT: 1}, "dgrad": {GRAD_OUTPUT: 1, WEIGHT: 0},
+                 "wgrad": {GRAD_OUTPUT: 0, INPUT: 0}}
+
+
+class Fp8Scaling(nn.Module):
+    """One linear's FP8: its recipe, its TP split and, under delayed scaling, its state.
+
+    Buffers (delayed only, so other recipes add nothing to a checkpoint): ``amax_history``
+    [3 roles, history_len] (newest first) and ``scale`` [3]; ``amax_pending`` (not saved) collects
+    this step's amaxes until :func:`update_fp8_scaling`."""
+
+    def __init__(self, recipe: Fp8Recipe, partition_dim: int, tp_group: Optional[dist.ProcessGroup],
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        torchao_float8()  # a missing torchao is said when the layer is built, not at its first GEMM
+        self.recipe, self.partition_dim, self.tp_group = recipe, partition_dim, tp_group
+        self.emulate = recipe.emulate
+        if recipe.recipe == "delayed":
+            self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
+            self.register_buffer("scale", torch.ones(3, device=device))
+            self.register_buffer("amax_pending", torch.zeros(3, device=device), persistent=False)
+            self.register_load_state_dict_post_hook(_history_loaded)
+        self.has_history = False  # delayed: no update yet, so the first step scales like tensorwise
+
+    def extra_repr(self) -> str:
+        return f"{self.recipe.format}, {self.recipe.recipe}, partition_dim={self.partition_dim}"
+
+    # --- scales -----------------------------------------------------------------------------------
+    def _amax(self, t: torch.Tensor, role: int, axis: Optional[int]) -> torch.Tensor:
+        """amax of ``t`` (whole, or over ``axis`` kept), made the full tensor's where TP splits what it covers."""
+        a = (t.abs().amax() if axis is None else t.abs().amax(dim=axis, keepdim=True)).float()
+        split = _SPLIT_DIM[self.partition_dim][role]
+        if split is not None and (axis is None or axis == split) and group_rank_and_size(self.tp_group)[1] > 1:
+            with tp_collective(f"FP8 amax all-reduce ({ROLES[role]})", self.tp_group):
+                dist.all_reduce(a, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return a
+
+    def _current_scale(self, t: torch.Tensor, role: int, axis: Optional[int]) -> torch.Tensor:
+        _, utils = torchao_float8()
+        return utils.amax_to_scale(self._amax(t, role, axis), self.recipe.dtype(role))
+
+    def _record(self, t: torch.Tensor, role: int) -> None:
+        """Delayed scaling: this tensor's (local) amax joins the step's; TP and DP reduce at the update."""
+        self.amax_pending[role] = torch.maximum(self.amax_pending[role], t.detach().abs().amax().float())
+
+    def _from_history(self) -> bool:
+        return self.recipe.recipe == "delayed" and self.has_history
+
+    # --- quantize + GEMM ----------------------------------------------------------------------------
+    def _fp8(self, t2d: torch.Tensor, role: int, scale: torch.Tensor, axis: Optional[int],
+             out_dtype: torch.dtype) -> torch.Tensor:
+        """torchao's Float8TrainingTensor of ``t2d``; GEMMs on two of them run torch._scaled_mm (or emulate it)
+        and return ``out_dtype`` (the first operand's)."""
+        tensor, utils = torchao_float8()
+        emulate = self.emulate if self.emulate is not None else t2d.device.type != "cuda"
+        config = tensor.ScaledMMConfig(emulate=emulate, use_fast_accum=False)
+        mm_config = tensor.LinearMMConfig(output=config._replace(use_fast_accum=True), grad_input=config,
+                                          grad_weight=config)  # torchao's defaults: fast accumulation in fprop
+        data = utils.to_fp8_saturated(t2d.float() * scale, self.recipe.dtype(role))
+        gemm_role = (tensor.GemmInputRole.INPUT, tensor.GemmInputRole.WEIGHT, tensor.GemmInputRole.GRAD_OUTPUT)[role]
+        axiswise_dim = None if axis is None else (-1 if axis == 1 else 0)
+        return tensor.Float8TrainingTensor(data, scale, out_dtype, mm_config, gemm_role, axiswise_dim)
+
+    def _operand(self, t2d: torch.Tensor, role: int, gemm: str, scales: Optional[torch.Tensor],
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(FP8 operand, its scale): delayed from ``scales``, tensorwise from ``scales`` when given (reused
+        from an earlier GEMM) else current, rowwise always current along the GEMM's axis."""
+        if self.recipe.recipe == "rowwise":
+            axis = _ROWWISE_AXIS[gemm][role]
+            return self._fp8(t2d, role, self._current_scale(t2d, role, axis), axis, out_dtype), None
+        scale = scales[role] if scales is not None else self._current_scale(t2d, role, None)
+        return self._fp8(t2d, role, scale, None, out_dtype), scale
+
+    def fprop(self, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+              ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], bool]]:
+        """(x @ weight^T + bias, what dgrad needs: the scales backward reuses and whether they came from
+        the history). Delayed scaling records the amaxes of a training forward only: a module in eval
+        mode (evaluation, generation) leaves the next step's scales alone."""
+        scales = self.scale.clone() if self._from_history() else None  # backward uses this step's too
+        if self.recipe.recipe == "delayed" and self.training:
+            self._record(x2d, INPUT)
+            self._record(weight, WEIGHT)
+        x8, x_scale = self._operand(x2d, INPUT, "fprop", scales, x2d.dtype)
+        w8, w_scale = self._operand(weight, WEIGHT, "fprop", scales, x2d.dtype)
+        out = torch.mm(x8, w8.t()) if bias is None else torch.addmm(bias.to(x2d.dtype), x8, w8.t())
+        if scales is None and self.recipe.recipe != "rowwise":  # current scales: grad_output's comes in dgrad
+            scales = torch.stack([x_scale, w_scale, torch.zeros_like(x_scale)])
+        return out, (scales, self._from_history())
+
+    def dgrad(self, grad_output2d: torch.Tensor, weight: torch.Tensor, saved: tuple[Optional[torch.Tensor], bool]
+              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(grad_output @ weight, the scales wgrad reuses: fprop's with grad_output's). ``saved``: what
+        fprop returned (its scales, and whether they came from the history)."""
+        scales, from_history = saved
+        if self.recipe.recipe == "delayed":
+            self._record(grad_output2d, GRAD_OUTPUT)
+        if scales is not None and not from_history:
+            scales = scales.clone()
+            scales[GRAD_OUTPUT] = self._current_scale(grad_output2d, GRAD_OUTPUT, None)
+        g8, _ = self._operand(grad_output2d, GRAD_OUTPUT, "dgrad", scales, grad_output2d.dtype)
+        w8, _ = self._operand(weight, WEIGHT, "dgrad", scales, grad_output2d.dtype)
+        return torch.mm(g8, w8), scales
+
+    def wgrad(self, grad_output2d: torch.Tensor, x2d: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
+        """grad_output^T @ input in fp32 (added to main_grad or cast to the weight's dtype by the caller)."""
+        g8, _ = self._operand(grad_output2d, GRAD_OUTPUT, "wgrad", scales, torch.float32)
+        x8, _ = self._operand(x2d, INPUT, "wgrad", scales, torch.float32)
+        return torch.mm(g8.t(), x8)
+
+    # --- delayed scaling: once per step ---------------------------------------------------------------
+    def update_from(self, amax: torch.Tensor) -> None:
+        """Megatron's (Transformer Engine's) delayed-scaling update with this step's reduced amaxes [3]."""
+        history = torch.roll(self.amax_history, 1, dims=1)
+        history[:, 0] = amax
+        self.amax_history.copy_(history)
+        use = history[:, 0] if self.recipe.amax_compute_algo == "most_recent" else history.amax(dim=1)
+        fp8_max = torch.tensor([torch.finfo(self.recipe.dtype(r)).max for r in range(3)], device=use.device)
+        new = fp8_max / use / (2.0 ** self.recipe.margin)
+        keep = (use > 0) & torch.isfinite(use)  # no amax (a linear that did not run) or inf/nan: keep the scale
+        self.scale.copy_(torch.where(keep, new, self.scale))
+        self.amax_pending.zero_()
+        self.has_history = True
+
+
+def _history_loaded(module: Fp8Scaling, _incompatible_keys: Any) -> None:
+    """A loaded (checkpointed) history gives the next step's scales."""
+    module.has_history = bool(module.amax_history.any())
+
+
+def fp8_modules(modules: Iterable[nn.Module]) -> list[Fp8Scaling]:
+    """Every delayed-scaling Fp8Scaling inside ``modules``, in module order."""
+    return [m for module in modules for m in module.modules()
+            if isinstance(m, Fp8Scaling) and m.recipe.recipe == "delayed"]
+
+
+@torch.no_grad()
+def update_fp8_scaling(modules: Iterable[nn.Module], dp_group: Optional[dist.ProcessGroup]) -> None:
+    """End of a step: each delayed-scaling linear's amaxes, maximum over its TP and the DP ranks, enter its
+    history and give next step's scales. One all-reduce per group for all the linears of ``modules``.
+    Every rank of a TP and DP group holds the same linears, so the buffers line up."""
+    by_group: dict[Any, list[Fp8Scaling]] = {}
+    for m in fp8_modules(modules):
+        by_group.setdefault(m.tp_group, []).append(m)
+    for tp_group, ms in by_group.items():
+        flat = torch.cat([m.amax_pending for m in ms])
+        all_reduce_over(flat, dist.ReduceOp.MAX, [tp_group, dp_group])
+        for m, amax in zip(ms, flat.split(3)):
+            m.update_from(amax)
+
+
+def is_fp8_state_key(name: str) -> bool:
+    """Whether a state-dict key is FP8 scaling state (not a weight): conversions skip it."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] == STATE_MODULE
