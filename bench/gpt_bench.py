@@ -7,7 +7,8 @@ Same presets, synthetic data, bf16 parameters with fp32 gradient buffers and fp3
 master weights, Adam, and the same FLOPs formula (Megatron's: causal attention
 counted as half) as the Megatron-Core anchor, so the RESULT_JSON lines compare
 directly. The training step is parallel3d.training.train_step, the one the
-pretraining script runs.
+pretraining script runs. Any other flag goes to the training arguments as it does in pretrain_gpt.py,
+the FP8 ones included (``--fp8-format hybrid --fp8-recipe tensorwise``): the result names them.
 
 Extras:
 - ``--schedule-timing``: time every forward/backward of the pipeline schedule
@@ -69,6 +70,12 @@ PRESETS = {  # the Megatron anchor's presets
                  "--seq-length", "2048", "--vocab-size", "128256", "--micro-batch-size", "4",
                  "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                  "--disable-bias-linear", "--untie-embeddings-and-output-weights"],
+    # Llama-3.2-3B's shape (untied output, as llama-1b): the larger model where FP8's GEMMs pay more
+    "llama-3b": ["--num-layers", "28", "--hidden-size", "3072", "--num-attention-heads", "24",
+                 "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "8192",
+                 "--seq-length", "2048", "--vocab-size", "128256", "--micro-batch-size", "1",
+                 "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                 "--disable-bias-linear", "--untie-embeddings-and-output-weights"],
     # Megatron-LM README's 7.1B row (the anchor's mlm-7.1b); run with fewer layers to fit a few GPUs.
     "mlm-7.1b": ["--num-layers", "30", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length",
                  "4096", "--vocab-size", "131072", "--micro-batch-size", "1",
@@ -109,6 +116,13 @@ def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace,
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
     args = validate_args(parse_args(argv, extra_args_provider=gpt.add_sampling_args), world)
     return bench, args
+
+
+def fp8_settings(args: argparse.Namespace) -> dict:
+    """The run's FP8 options as the training arguments hold them (Megatron's dest for --fp8-format is ``fp8``);
+    all None for a bf16 run."""
+    return {"fp8_format": getattr(args, "fp8", None) or getattr(args, "fp8_format", None),
+            **{k: getattr(args, k, None) for k in ("fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo")}}
 
 
 def synthetic_iterator(args: argparse.Namespace):
@@ -200,7 +214,7 @@ def main(argv=None) -> None:
         "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None,
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if torch.cuda.is_available() else None,
-        "sm_carveout": bench.sm_carveout,
+        "sm_carveout": bench.sm_carveout, **fp8_settings(args),
     }
 
     if bench.schedule_timing and args.pipeline_model_parallel_size > 1:
