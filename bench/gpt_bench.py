@@ -82,6 +82,16 @@ PRESETS = {  # the Megatron anchor's presets
                  "--untie-embeddings-and-output-weights"],
 }
 
+# Megatron's FP8 flags per recipe, as the benchmarks run them. The format follows torchao's recipe of the
+# same name, so torchtitan's float8 run is the same arithmetic: tensorwise keeps e5m2 for gradients (hybrid),
+# rowwise is e4m3 throughout. Delayed scaling with Megatron's example history (TE's recipe).
+FP8_RECIPES = {
+    "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+    "delayed": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
+                "--fp8-amax-compute-algo", "max"],
+}
+
 
 def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     """(bench options, the validated training arguments) for ``world`` ranks (default: torchrun's)."""
