@@ -4,10 +4,11 @@
 
 Started by tests/gpu/test_nccl_parity.py (one process per GPU, NCCL) and, to prove the same driver on
 CPU ranks, with PARALLEL3D_DEVICE=cpu (gloo). CASES.json is a list of cases
-``{"name", "kind", "family", "dtype", "tp", "pp", "vp", "sp", "extra"}``:
+``{"name", "kind", "family", "dtype", "tp", "pp", "vp", "sp", "extra"}``, ``dtype`` a key of PRECISIONS:
 - ``reference`` (one process): save the weights, losses and gradient norms as OUT_DIR/ref_<family>_<dtype>.*;
 - ``layout``: train in the case's layout and write, per rank, each iteration's losses and gradient norm and
-  how far every weight shard is from the reference of the same family and precision;
+  how far every weight shard is from the reference of the same family and precision (of the precision
+  ``against`` names, where the case has that key: an FP8 run against bf16 measures what FP8 changes);
 - ``resume``: 6 iterations straight, then 3 + save + load + 3 in the same layout (dropout on).
 Each rank writes OUT_DIR/<name>.rank<r>.json. The last line printed is "parity: done", so the test can
 time how long the job takes to exit after its work.
@@ -28,10 +29,21 @@ from parallel3d import parallel_state as ps  # noqa: E402
 from parallel3d.device import default_backend  # noqa: E402
 
 
+# A case's precision -> its flags. FP8 computes the TP linears' GEMMs in FP8 on a bf16 model (Megatron's
+# flags; torchao's recipes of those names: tensorwise keeps e5m2 gradients, rowwise is e4m3 throughout).
+PRECISIONS = {
+    "fp32": [],
+    "bf16": ["--bf16"],
+    "fp8-tensorwise": ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "fp8-delayed": ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "4",
+                    "--fp8-amax-compute-algo", "max"],
+    "fp8-rowwise": ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+}
+
+
 def _args(case, world, **kw):
-    dtype = {"bf16": ["--bf16"], "fp32": []}[case["dtype"]]
-    return layout_args(case["family"], case["tp"], case["pp"], case["vp"], case["sp"], dtype + case["extra"],
-                       world=world, **kw)
+    return layout_args(case["family"], case["tp"], case["pp"], case["vp"], case["sp"],
+                       PRECISIONS[case["dtype"]] + case["extra"], world=world, **kw)
 
 
 def _losses(result):
@@ -46,7 +58,8 @@ def reference(case, out):
 
 
 def layout(case, out):
-    ref = load_file(os.path.join(out, f"ref_{case['family']}_{case['dtype']}.safetensors"))
+    against = case.get("against", case["dtype"])
+    ref = load_file(os.path.join(out, f"ref_{case['family']}_{against}.safetensors"))
     result = train(_args(case, dist.get_world_size()))
     weights = {}
     for name, got, want in shards_against(result, ref):
