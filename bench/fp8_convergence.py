@@ -93,7 +93,7 @@ def train_args(a: argparse.Namespace, prefix: str, log_json: str) -> list[str]:
 
 def train(name: str, flags: list[str], a: argparse.Namespace, prefix: str) -> dict:
     """One pretrain_gpt.py run; its curves from its --log-json (what it logged before any timeout)."""
-    from tools.plot_log import read_log
+    from parallel3d.tools.plot_log import read_log
 
     log_json = os.path.join(a.out, f"fp8_convergence_{name}.jsonl")
     if os.path.exists(log_json):
