@@ -18,7 +18,8 @@ memorisation. The dataset is written once under ``--data-dir``.
 Result: OUT/fp8_convergence.json with each run's training loss every ``--log-interval`` steps (the mean
 of those steps, from ``--log-json``), its validation losses, and per FP8 recipe the relative difference
 of the final loss (the mean of the last ``--log-interval`` steps) from bf16's; OUT/fp8_convergence.png
-where matplotlib is present. Every run is bounded by ``--timeout``; a run cut short keeps its curve so far.
+where matplotlib is present; each run's output and --log-json file in OUT/logs. Every run is bounded by
+``--timeout``; a run cut short keeps its curve so far.
 """
 from __future__ import annotations
 
@@ -95,14 +96,14 @@ def train(name: str, flags: list[str], a: argparse.Namespace, prefix: str) -> di
     """One pretrain_gpt.py run; its curves from its --log-json (what it logged before any timeout)."""
     from parallel3d.tools.plot_log import read_log
 
-    log_json = os.path.join(a.out, f"fp8_convergence_{name}.jsonl")
+    log_json = os.path.join(a.out, "logs", f"fp8_convergence_{name}.jsonl")  # logs/: run_gpu_benches.sh packs it
     if os.path.exists(log_json):
         os.remove(log_json)  # --log-json appends
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            os.path.join(ROOT, "examples", "pretrain_gpt.py")] + train_args(a, prefix, log_json) + flags
     env = {**os.environ, **({"PARALLEL3D_DEVICE": "cpu"} if a.cpu_smoke else {})}
     t0, status = time.monotonic(), "finished"
-    with open(os.path.join(a.out, f"fp8_convergence_{name}.log"), "w") as log:
+    with open(os.path.join(a.out, "logs", f"fp8_convergence_{name}.log"), "w") as log:
         try:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout, cwd=ROOT, env=env).returncode
             status = "finished" if rc == 0 else f"failed (exit {rc})"
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             20, 4, 4, 5, 10, 1.0
     from gpt_bench import FP8_RECIPES
 
-    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     prefix, corpus = build_corpus(a.corpus, a.data_dir, a.corpus_mb)
     print(f"corpus: {corpus}", flush=True)
     result = {"corpus": corpus, "settings": {k: v for k, v in vars(a).items() if k not in ("plot", "png")},
