@@ -147,7 +147,7 @@ def fp8_suite(a: argparse.Namespace) -> None:
             peers[preset][label] = peer
             left = a.budget_s - (time.monotonic() - start)
             if left < a.min_run_s:
-                results[preset][label] = f"skipped: {a.budget_s:.0f} s budget spent"
+                results[preset][label] = f"skipped: under {a.min_run_s:.0f} s of the {a.budget_s:.0f} s budget left"
                 print(f"{preset} / {label}: {results[preset][label]}", flush=True)
                 continue
             name = f"fp8_{preset}_{label}".replace(" ", "_").replace("+", "").replace("__", "_")

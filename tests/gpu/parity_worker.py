@@ -6,9 +6,10 @@ Started by tests/gpu/test_nccl_parity.py (one process per GPU, NCCL) and, to pro
 CPU ranks, with PARALLEL3D_DEVICE=cpu (gloo). CASES.json is a list of cases
 ``{"name", "kind", "family", "dtype", "tp", "pp", "vp", "sp", "extra"}``, ``dtype`` a key of PRECISIONS:
 - ``reference`` (one process): save the weights, losses and gradient norms as OUT_DIR/ref_<family>_<dtype>.*;
+  with ``"against": DTYPE``, also how far its weights are from that reference (run earlier in the same
+  list): an FP8 reference against bf16 measures what FP8 changes;
 - ``layout``: train in the case's layout and write, per rank, each iteration's losses and gradient norm and
-  how far every weight shard is from the reference of the same family and precision (of the precision
-  ``against`` names, where the case has that key: an FP8 run against bf16 measures what FP8 changes);
+  how far every weight shard is from the reference of the same family and precision;
 - ``resume``: 6 iterations straight, then 3 + save + load + 3 in the same layout (dropout on).
 Each rank writes OUT_DIR/<name>.rank<r>.json. The last line printed is "parity: done", so the test can
 time how long the job takes to exit after its work.
@@ -50,23 +51,31 @@ def _losses(result):
     return [d["lm loss"] for d in result["losses"]]
 
 
-def reference(case, out):
-    result = train(_args(case, 1))
-    stem = os.path.join(out, f"ref_{case['family']}_{case['dtype']}")
-    save_file({n: t.float().cpu().contiguous() for n, t in full_weights(result).items()}, stem + ".safetensors")
-    return {"losses": _losses(result), "grad_norms": result["grad_norms"]}
-
-
-def layout(case, out):
-    against = case.get("against", case["dtype"])
-    ref = load_file(os.path.join(out, f"ref_{case['family']}_{against}.safetensors"))
-    result = train(_args(case, dist.get_world_size()))
+def _weights_against(result, out, family, dtype):
+    """{weight name: how far this rank's shard is from the ``dtype`` reference's}."""
+    ref = load_file(os.path.join(out, f"ref_{family}_{dtype}.safetensors"))
     weights = {}
     for name, got, want in shards_against(result, ref):
         diff = got.float() - want
         weights[name] = {"max_abs": diff.abs().max().item(), "diff_sq": diff.square().sum().item(),
                          "ref_sq": want.float().square().sum().item()}
-    return {"losses": _losses(result), "grad_norms": result["grad_norms"], "weights": weights}
+    return weights
+
+
+def reference(case, out):
+    result = train(_args(case, 1))
+    stem = os.path.join(out, f"ref_{case['family']}_{case['dtype']}")
+    save_file({n: t.float().cpu().contiguous() for n, t in full_weights(result).items()}, stem + ".safetensors")
+    record = {"losses": _losses(result), "grad_norms": result["grad_norms"]}
+    if "against" in case:
+        record["weights"] = _weights_against(result, out, case["family"], case["against"])
+    return record
+
+
+def layout(case, out):
+    result = train(_args(case, dist.get_world_size()))
+    return {"losses": _losses(result), "grad_norms": result["grad_norms"],
+            "weights": _weights_against(result, out, case["family"], case["dtype"])}
 
 
 def resume(case, out):

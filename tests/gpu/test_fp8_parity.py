@@ -4,8 +4,8 @@ train like one GPU in the same FP8 recipe, both model families, each of Megatron
     python3 -m pytest -q -rs tests/gpu/test_fp8_parity.py     (docs/gpu-tests.md: the tolerance, derived)
 
 The machinery of test_nccl_parity.py: one launch of tests/gpu/parity_worker.py on one GPU trains the
-references (bf16, and FP8 per recipe) and, per recipe, FP8's own effect (the one-GPU FP8 run's weights
-against the one-GPU bf16 run's); one launch on 2 GPUs trains every layout. Each loss, gradient norm
+references (bf16, then FP8 per recipe, whose weights are also measured against bf16's: FP8's own
+effect); one launch on 2 GPUs trains every layout. Each loss, gradient norm
 and rank's weights (relative L2) must be within the larger of one bf16 step and twice FP8's own effect
 on the same quantity: a correct layout is an FP8 run as far from bf16 as the one-GPU FP8 run is, so
 by the triangle inequality at most twice that from it.
@@ -50,11 +50,6 @@ def layout_cases():
             for lname, layout in LAYOUTS.items() for family in FAMILIES for recipe in RECIPES]
 
 
-def effect_case(family, recipe):
-    """The one-GPU FP8 run, its weights measured against the one-GPU bf16 run's."""
-    return {**_case("layout", f"effect-{family}-{recipe}", family, recipe), "against": "bf16"}
-
-
 @pytest.fixture(scope="module")
 def fp8_out(tmp_path_factory):
     """References and FP8's effect on one GPU, after building the kernels once; then every 2-GPU layout."""
@@ -63,8 +58,9 @@ def fp8_out(tmp_path_factory):
 
     _ext.get_ext()
     out = str(tmp_path_factory.mktemp("fp8_parity"))
-    refs = [_case("reference", f"ref_{f}_{d}", f, d) for f in FAMILIES for d in ("bf16",) + RECIPES]
-    launch(1, refs + [effect_case(f, r) for f in FAMILIES for r in RECIPES], out, "cuda")
+    refs = [_case("reference", f"ref_{f}_bf16", f, "bf16") for f in FAMILIES]
+    refs += [{**_case("reference", f"ref_{f}_{r}", f, r), "against": "bf16"} for f in FAMILIES for r in RECIPES]
+    launch(1, refs, out, "cuda")
     if GPUS >= 2:
         launch(2, layout_cases(), out, "cuda")
     return out
@@ -79,7 +75,7 @@ def check_fp8_case(out, case):
     name, family, recipe = case["name"], case["family"], case["dtype"]
     ref = _rank_records(out, f"ref_{family}_{recipe}")[0]
     bf16 = _rank_records(out, f"ref_{family}_bf16")[0]
-    effect = _rank_records(out, f"effect-{family}-{recipe}")[0]["weights"]
+    effect = ref["weights"]  # the one-GPU FP8 run's weights against the one-GPU bf16 run's
     assert ref["losses"][0] != bf16["losses"][0], f"{recipe}: the one-GPU FP8 run's first loss equals bf16's " \
                                                   f"({bf16['losses'][0]}): FP8 did not take effect"
     for rank, rec in enumerate(_rank_records(out, name)):
