@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--eval-interval", type=int, default=500)
-    p.add_argument("--timeout", type=int, default=280, help="seconds per run before it is killed")
+    p.add_argument("--timeout", type=int, default=240, help="seconds per run before it is killed")
     p.add_argument("--corpus", choices=("stdlib", "pydoc"), default="stdlib")
     p.add_argument("--corpus-mb", type=float, default=64.0, help="at most this many MB of the corpus")
     p.add_argument("--data-dir", default="/tmp/fp8_convergence_data")

@@ -44,7 +44,7 @@ for what in "$@"; do
     fp8) python3 bench/single_gpu_bench.py --fp8 --presets ${FP8_PRESETS:-llama-3b llama-1b gpt-1.3b} \
            --budget-s $(( ${FP8_BUDGET_S:-510} - SECONDS )) ;;
     fp8-convergence) python3 bench/fp8_convergence.py --out "$OUT" ;;
-    fp8-tests) timeout 540 python3 -m pytest -q -rs tests/gpu/test_fp8_parity.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -n 40 ;;
+    fp8-tests) timeout 480 python3 -m pytest -q -rs tests/gpu/test_fp8_parity.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -n 40 ;;
     *) echo "unknown benchmark $what (fused-tests, single, ddp, pipeline, kernels, nccl, planner, layouts, fp8," \
             "fp8-convergence, fp8-tests)"; exit 2 ;;
   esac

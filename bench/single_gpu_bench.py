@@ -4,6 +4,7 @@ and with --compile (each layer through torch.compile).
 
     python3 bench/single_gpu_bench.py [--preset llama-1b] [--out DIR]
     python3 bench/single_gpu_bench.py --fp8 [--presets llama-3b llama-1b gpt-1.3b] [--budget-s S] [--out DIR]
+    python3 bench/single_gpu_bench.py --fp8 --report A/fp8_bench.json B/fp8_bench.json   # one table of several calls
 
 Each run is ``gpt_bench.py`` (or a peer's anchor) under torchrun with the same model and batch:
 micro-batch 4, 4 microbatches per step (the plain runner's ``--grad-accum 4``). The unfused run sets
@@ -16,8 +17,8 @@ and, for the llama presets, torchtitan's float8 (tensorwise and rowwise, torch.c
 ``FP8_GLOBAL_BATCH`` of the preset's micro-batch. Ratios: to parallel3d bf16 of the same preset, and to
 the peer of the same precision (torchtitan float8 of the same recipe; plain + compile for bf16). Each
 run is bounded by ``--timeout``; the whole suite by ``--budget-s``, after which the remaining runs are
-listed as skipped, in priority order (the runs the goals compare come first). Results go to
-OUT/fp8_bench.json after every run, the table to stdout at the end.
+listed as skipped, in priority order (the runs the goals compare come first). Results (and each run's
+peer) go to OUT/fp8_bench.json after every run, the table to stdout at the end.
 """
 from __future__ import annotations
 
@@ -149,11 +150,11 @@ def fp8_suite(a: argparse.Namespace) -> None:
             if left < a.min_run_s:
                 results[preset][label] = f"skipped: under {a.min_run_s:.0f} s of the {a.budget_s:.0f} s budget left"
                 print(f"{preset} / {label}: {results[preset][label]}", flush=True)
-                continue
-            name = f"fp8_{preset}_{label}".replace(" ", "_").replace("+", "").replace("__", "_")
-            results[preset][label] = run(name, 1, script, args, logs, timeout=int(min(timeout, left)), env=env)
+            else:
+                name = f"fp8_{preset}_{label}".replace(" ", "_").replace("+", "").replace("__", "_")
+                results[preset][label] = run(name, 1, script, args, logs, timeout=int(min(timeout, left)), env=env)
             with open(path, "w") as f:  # after every run: a later timeout keeps what was measured
-                json.dump(results, f, indent=1)
+                json.dump({"results": results, "peers": peers}, f, indent=1)
     print(f"\nFP8 suite, {time.monotonic() - start:.0f} s\n" + fp8_table(results, peers), flush=True)
 
 
@@ -169,9 +170,19 @@ def main() -> None:
     p.add_argument("--titan-bf16", action="store_true", help="--fp8: also torchtitan in bf16 (last of a preset)")
     p.add_argument("--budget-s", type=float, default=480.0, help="--fp8: seconds for the whole suite")
     p.add_argument("--min-run-s", type=float, default=40.0, help="--fp8: skip a run with less budget than this left")
+    p.add_argument("--report", nargs="+", default=None, help="--fp8: print the table of these fp8_bench.json files")
     p.add_argument("--cpu-smoke", action="store_true", help="--fp8 on CPU processes: fp32, the peers' smoke modes "
                    "(checks the harness, not speed)")
     a = p.parse_args()
+    if a.report:
+        results, peers = {}, {}
+        for path in a.report:
+            with open(path) as f:
+                got = json.load(f)
+            results.update(got["results"])
+            peers.update(got["peers"])
+        print(fp8_table(results, peers))
+        return
     os.makedirs(a.out, exist_ok=True)
     if a.cpu_smoke:
         a.presets, a.iters, a.warmup = ["tiny"], 1, 0
