@@ -129,10 +129,13 @@ def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace,
 
 
 def fp8_settings(args: argparse.Namespace) -> dict:
-    """The run's FP8 options as the training arguments hold them (Megatron's dest for --fp8-format is ``fp8``);
-    all None for a bf16 run."""
-    return {"fp8_format": getattr(args, "fp8", None) or getattr(args, "fp8_format", None),
-            **{k: getattr(args, k, None) for k in ("fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo")}}
+    """The run's FP8 options as the training arguments hold them (Megatron's dest for --fp8-format is ``fp8``):
+    all None for a bf16 run, the amax history's only under the delayed recipe (the one that reads them)."""
+    fp8 = getattr(args, "fp8", None)
+    recipe = getattr(args, "fp8_recipe", None) if fp8 else None
+    delayed = {k: getattr(args, k, None) if recipe == "delayed" else None
+               for k in ("fp8_amax_history_len", "fp8_amax_compute_algo")}
+    return {"fp8_format": fp8, "fp8_recipe": recipe, **delayed}
 
 
 def synthetic_iterator(args: argparse.Namespace):

@@ -100,7 +100,7 @@ def fp8_runs(preset: str, a: argparse.Namespace) -> list[tuple[str, str, Optiona
     micro = int(argv[argv.index("--micro-batch-size") + 1])
     gbs = FP8_GLOBAL_BATCH[preset]
     steps = ["--iters", str(a.iters), "--warmup", str(a.warmup)]
-    ours = ["--preset", preset, "--global-batch-size", str(gbs)] + steps + (["--fp32"] if a.cpu_smoke else [])
+    ours = ["--preset", preset, "--global-batch-size", str(gbs)] + steps
     titan = ["--preset", preset, "--grad-accum", str(gbs // micro)] + steps + (["--cpu-smoke"] if a.cpu_smoke else [])
     plain = plain_flags(preset) + ["--grad-accum", str(gbs // micro)] + steps \
         + (["--cpu-smoke"] if a.cpu_smoke else ["--compile"])
@@ -171,8 +171,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=480.0, help="--fp8: seconds for the whole suite")
     p.add_argument("--min-run-s", type=float, default=40.0, help="--fp8: skip a run with less budget than this left")
     p.add_argument("--report", nargs="+", default=None, help="--fp8: print the table of these fp8_bench.json files")
-    p.add_argument("--cpu-smoke", action="store_true", help="--fp8 on CPU processes: fp32, the peers' smoke modes "
-                   "(checks the harness, not speed)")
+    p.add_argument("--cpu-smoke", action="store_true", help="--fp8 on CPU processes: the tiny preset, the peers' "
+                   "smoke modes (checks the harness, not speed)")
     a = p.parse_args()
     if a.report:
         results, peers = {}, {}
