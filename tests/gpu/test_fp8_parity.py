@@ -5,10 +5,10 @@ train like one GPU in the same FP8 recipe, both model families, each of Megatron
 
 The machinery of test_nccl_parity.py: one launch of tests/gpu/parity_worker.py on one GPU trains the
 references (bf16, then FP8 per recipe, whose weights are also measured against bf16's: FP8's own
-effect); one launch on 2 GPUs trains every layout. Each loss, gradient norm
-and rank's weights (relative L2) must be within the larger of one bf16 step and twice FP8's own effect
-on the same quantity: a correct layout is an FP8 run as far from bf16 as the one-GPU FP8 run is, so
-by the triangle inequality at most twice that from it.
+effect); one launch on 2 GPUs trains every layout. Each loss, gradient norm and rank's weights
+(relative L2) must be within the larger of one bf16 step and twice FP8's own effect on the same
+quantity: a correct layout is an FP8 run as far from bf16 as the one-GPU FP8 run is, so by the
+triangle inequality at most twice that from it.
 
 Skips, naming the reason: no CUDA GPU; torchao not importable (nothing is installed here: put the
 torchao wheel on PYTHONPATH, or ``pip install parallel3d[fp8]``); a GPU without FP8 tensor cores
@@ -42,7 +42,8 @@ def _why_not() -> str:
     return ""
 
 
-pytestmark = pytest.mark.skipif(bool(_why_not()), reason=_why_not() or "runs")
+WHY_NOT = _why_not()
+pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT)
 
 
 def layout_cases():
