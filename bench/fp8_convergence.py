@@ -87,8 +87,9 @@ def train_args(a: argparse.Namespace, prefix: str, log_json: str) -> list[str]:
         "--train-iters", str(a.train_iters), "--lr", str(a.lr), "--min-lr", str(a.lr / 10),
         "--lr-decay-style", "cosine", "--lr-warmup-iters", str(a.train_iters // 20), "--weight-decay", "0.1",
         "--clip-grad", "1.0", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", str(a.seed),
-        "--bf16", "--data-path", prefix, "--split", "95,5,0", "--tokenizer-type", "byte", "--log-interval", str(a.log_interval),
-        "--eval-interval", str(a.eval_interval), "--eval-iters", "10", "--log-json", log_json, "--no-progress-bar",
+        "--bf16", "--data-path", prefix, "--split", "95,5,0", "--tokenizer-type", "byte",
+        "--log-interval", str(a.log_interval), "--eval-interval", str(a.eval_interval), "--eval-iters", "10",
+        "--log-json", log_json, "--no-progress-bar",
     ]
 
 
@@ -105,8 +106,8 @@ def train(name: str, flags: list[str], a: argparse.Namespace, prefix: str) -> di
     t0, status = time.monotonic(), "finished"
     with open(os.path.join(a.out, "logs", f"fp8_convergence_{name}.log"), "w") as log:
         try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout, cwd=ROOT, env=env).returncode
-            status = "finished" if rc == 0 else f"failed (exit {rc})"
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout, cwd=ROOT, env=env)
+            status = "finished" if done.returncode == 0 else f"failed (exit {done.returncode})"
         except subprocess.TimeoutExpired:
             status = f"cut at the {a.timeout} s timeout"
     try:

@@ -3,7 +3,7 @@ presets, torchtitan (its Trainer, torch.compile) against parallel3d with and wit
 and with --compile (each layer through torch.compile).
 
     python3 bench/single_gpu_bench.py [--preset llama-1b] [--out DIR]
-    python3 bench/single_gpu_bench.py --fp8 [--presets llama-3b llama-1b gpt-1.3b] [--budget-s S] [--out DIR]
+    python3 bench/single_gpu_bench.py --fp8 [--presets llama-3b llama-1b gpt-1.3b] [--gpus N] [--budget-s S] [--out DIR]
     python3 bench/single_gpu_bench.py --fp8 --report A/fp8_bench.json B/fp8_bench.json   # one table of several calls
 
 Each run is ``gpt_bench.py`` (or a peer's anchor) under torchrun with the same model and batch:
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
 from typing import Optional
 
@@ -105,14 +106,17 @@ def fp8_runs(preset: str, a: argparse.Namespace) -> list[tuple[str, str, Optiona
     plain = plain_flags(preset) + ["--grad-accum", str(gbs // micro)] + steps \
         + (["--cpu-smoke"] if a.cpu_smoke else ["--compile"])
     llama = preset.startswith("llama") or a.cpu_smoke  # torchtitan builds Llama-3 models only (its smoke: tiny)
-    runs = [("parallel3d bf16", "plain PyTorch + torch.compile", OURS, ours, EAGER_TIMEOUT)]
+    bf16_peer = ("plain PyTorch + torch.compile", "", PLAIN, plain, COMPILE_TIMEOUT)
+    runs = [("parallel3d bf16", bf16_peer[0], OURS, ours, EAGER_TIMEOUT)]
     for i, recipe in enumerate(a.recipes):
         runs.append((f"parallel3d FP8 {recipe}", f"torchtitan float8 {recipe}", OURS, ours + FP8_RECIPES[recipe],
                      EAGER_TIMEOUT))
         if llama and recipe in ("tensorwise", "rowwise"):  # torchao's recipes of those names
             runs.append((f"torchtitan float8 {recipe}", "", TITAN, titan + ["--float8", recipe], COMPILE_TIMEOUT))
         if i == 0:  # the bf16 peer after the first recipe's pair: each goal's comparison before the rest
-            runs.append(("plain PyTorch + torch.compile", "", PLAIN, plain, COMPILE_TIMEOUT))
+            runs.append(bf16_peer)
+    if not a.recipes:
+        runs.append(bf16_peer)
     if llama and a.titan_bf16:
         runs.append(("torchtitan bf16", "", TITAN, titan, COMPILE_TIMEOUT))
     return runs
@@ -130,20 +134,26 @@ def fp8_table(results: dict, peers: dict) -> str:
             tok, peer = tokens_per_gpu(res), peers[preset].get(label)
             vs_peer = f"{tok / tokens_per_gpu(runs[peer]):.3f}x ({peer})" \
                 if peer and isinstance(runs.get(peer), dict) else ""
+            vs_ours = f"{tok / ours_bf16:.3f}x" if ours_bf16 > 0 else ""  # nan: our bf16 run failed
             lines.append(f"| {preset} | {label} | {iteration_time(res):.3f} s | {tok:,.0f} | {peak_gib(res):.1f} | "
-                         f"{tok / ours_bf16:.3f}x | {vs_peer} |")
+                         f"{vs_ours} | {vs_peer} |")
     return "\n".join(lines)
 
 
 def fp8_suite(a: argparse.Namespace) -> None:
+    """Every preset's runs, one GPU per preset: with ``--gpus N`` N presets at a time, each on its own GPU
+    (a preset's runs, and so every ratio of its rows, stay on one card)."""
     start = time.monotonic()
     logs = os.path.join(a.out, "logs")
     path = os.path.join(a.out, "fp8_bench.json")
-    results: dict = {}
-    peers: dict = {}
-    env = {"PARALLEL3D_DEVICE": "cpu"} if a.cpu_smoke else None
-    for preset in a.presets:
-        results[preset], peers[preset] = {}, {}
+    results: dict = {preset: {} for preset in a.presets}
+    peers: dict = {preset: {} for preset in a.presets}
+    todo, lock = list(a.presets), threading.Lock()
+
+    def bench_preset(preset: str, gpu: int) -> None:
+        env = {"PARALLEL3D_DEVICE": "cpu"} if a.cpu_smoke else None
+        if a.gpus > 1 and not a.cpu_smoke:
+            env = {"CUDA_VISIBLE_DEVICES": str(gpu)}
         for label, peer, script, args, timeout in fp8_runs(preset, a):
             peers[preset][label] = peer
             left = a.budget_s - (time.monotonic() - start)
@@ -153,8 +163,22 @@ def fp8_suite(a: argparse.Namespace) -> None:
             else:
                 name = f"fp8_{preset}_{label}".replace(" ", "_").replace("+", "").replace("__", "_")
                 results[preset][label] = run(name, 1, script, args, logs, timeout=int(min(timeout, left)), env=env)
-            with open(path, "w") as f:  # after every run: a later timeout keeps what was measured
+            with lock, open(path, "w") as f:  # after every run: a later timeout keeps what was measured
                 json.dump({"results": results, "peers": peers}, f, indent=1)
+
+    def worker(gpu: int) -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                preset = todo.pop(0)
+            bench_preset(preset, gpu)
+
+    threads = [threading.Thread(target=worker, args=(gpu,)) for gpu in range(a.gpus)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     print(f"\nFP8 suite, {time.monotonic() - start:.0f} s\n" + fp8_table(results, peers), flush=True)
 
 
@@ -168,6 +192,7 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=["llama-3b", "llama-1b", "gpt-1.3b"], help="--fp8: in this order")
     p.add_argument("--recipes", nargs="+", default=["tensorwise", "rowwise", "delayed"], help="--fp8: FP8 recipes")
     p.add_argument("--titan-bf16", action="store_true", help="--fp8: also torchtitan in bf16 (last of a preset)")
+    p.add_argument("--gpus", type=int, default=1, help="--fp8: presets measured at once, each on its own GPU")
     p.add_argument("--budget-s", type=float, default=480.0, help="--fp8: seconds for the whole suite")
     p.add_argument("--min-run-s", type=float, default=40.0, help="--fp8: skip a run with less budget than this left")
     p.add_argument("--report", nargs="+", default=None, help="--fp8: print the table of these fp8_bench.json files")
