@@ -152,8 +152,9 @@ def fp8_suite(a: argparse.Namespace) -> None:
 
     def bench_preset(preset: str, gpu: int) -> None:
         env = {"PARALLEL3D_DEVICE": "cpu"} if a.cpu_smoke else None
-        if a.gpus > 1 and not a.cpu_smoke:
-            env = {"CUDA_VISIBLE_DEVICES": str(gpu)}
+        if a.gpus > 1 and not a.cpu_smoke:  # the gpu-th of the cards this process may use
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(a.gpus)))).split(",")
+            env = {"CUDA_VISIBLE_DEVICES": visible[gpu]}
         for label, peer, script, args, timeout in fp8_runs(preset, a):
             peers[preset][label] = peer
             left = a.budget_s - (time.monotonic() - start)
