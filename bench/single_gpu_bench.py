@@ -144,6 +144,10 @@ def fp8_suite(a: argparse.Namespace) -> None:
     """Every preset's runs, one GPU per preset: with ``--gpus N`` N presets at a time, each on its own GPU
     (a preset's runs, and so every ratio of its rows, stay on one card)."""
     start = time.monotonic()
+    cards = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(a.gpus)))).split(",")
+    if a.gpus > len(cards):
+        raise SystemExit(f"--gpus {a.gpus}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} leaves "
+                         f"{len(cards)}; pass --gpus {len(cards)} or fewer")
     logs = os.path.join(a.out, "logs")
     path = os.path.join(a.out, "fp8_bench.json")
     results: dict = {preset: {} for preset in a.presets}
@@ -152,9 +156,8 @@ def fp8_suite(a: argparse.Namespace) -> None:
 
     def bench_preset(preset: str, gpu: int) -> None:
         env = {"PARALLEL3D_DEVICE": "cpu"} if a.cpu_smoke else None
-        if a.gpus > 1 and not a.cpu_smoke:  # the gpu-th of the cards this process may use
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(a.gpus)))).split(",")
-            env = {"CUDA_VISIBLE_DEVICES": visible[gpu]}
+        if a.gpus > 1 and not a.cpu_smoke:
+            env = {"CUDA_VISIBLE_DEVICES": cards[gpu]}
         for label, peer, script, args, timeout in fp8_runs(preset, a):
             peers[preset][label] = peer
             left = a.budget_s - (time.monotonic() - start)
