@@ -1,9 +1,11 @@
-"""One GPU, one preset: Megatron-Core, plain PyTorch (eager and torch.compile) and, for the llama
-presets, torchtitan (its Trainer, torch.compile) against parallel3d with and without the fused kernels,
-and with --compile (each layer through torch.compile).
+"""One GPU per preset: parallel3d against its peers, same card, same call (bf16 peers, or --fp8's suite).
+
+Default: Megatron-Core, plain PyTorch (eager and torch.compile) and, for the llama presets, torchtitan
+(its Trainer, torch.compile) against parallel3d with and without the fused kernels, and with --compile
+(each layer through torch.compile).
 
     python3 bench/single_gpu_bench.py [--preset llama-1b] [--out DIR]
-    python3 bench/single_gpu_bench.py --fp8 [--presets llama-3b llama-1b gpt-1.3b] [--gpus N] [--budget-s S] [--out DIR]
+    python3 bench/single_gpu_bench.py --fp8 [--presets PRESET ...] [--gpus N] [--budget-s S] [--out DIR]
     python3 bench/single_gpu_bench.py --fp8 --report A/fp8_bench.json B/fp8_bench.json   # one table of several calls
 
 Each run is ``gpt_bench.py`` (or a peer's anchor) under torchrun with the same model and batch:
@@ -159,15 +161,15 @@ def fp8_suite(a: argparse.Namespace) -> None:
         if a.gpus > 1 and not a.cpu_smoke:
             env = {"CUDA_VISIBLE_DEVICES": cards[gpu]}
         for label, peer, script, args, timeout in fp8_runs(preset, a):
-            peers[preset][label] = peer
             left = a.budget_s - (time.monotonic() - start)
             if left < a.min_run_s:
-                results[preset][label] = f"skipped: under {a.min_run_s:.0f} s of the {a.budget_s:.0f} s budget left"
-                print(f"{preset} / {label}: {results[preset][label]}", flush=True)
+                res = f"skipped: under {a.min_run_s:.0f} s of the {a.budget_s:.0f} s budget left"
+                print(f"{preset} / {label}: {res}", flush=True)
             else:
                 name = f"fp8_{preset}_{label}".replace(" ", "_").replace("+", "").replace("__", "_")
-                results[preset][label] = run(name, 1, script, args, logs, timeout=int(min(timeout, left)), env=env)
+                res = run(name, 1, script, args, logs, timeout=int(min(timeout, left)), env=env)
             with lock, open(path, "w") as f:  # after every run: a later timeout keeps what was measured
+                results[preset][label], peers[preset][label] = res, peer
                 json.dump({"results": results, "peers": peers}, f, indent=1)
 
     def worker(gpu: int) -> None:
