@@ -114,8 +114,10 @@ def train(name: str, flags: list[str], a: argparse.Namespace, prefix: str) -> di
         train_loss, valid_loss = read_log(log_json)
     except (OSError, ValueError):
         train_loss, valid_loss = {}, {}
-    steps = [json.loads(line) for line in open(log_json)] if os.path.exists(log_json) else []
-    times = [r["iteration_time_s"] for r in steps if r.get("type") == "train"]
+    times = []
+    if os.path.exists(log_json):
+        with open(log_json) as f:
+            times = [r["iteration_time_s"] for r in map(json.loads, f) if r.get("type") == "train"]
     print(f"{name}: {status} in {time.monotonic() - t0:.0f} s, {max(train_loss, default=0)} iterations logged, "
           f"final loss {train_loss[max(train_loss)] if train_loss else float('nan'):.4f}", flush=True)
     return {"flags": flags, "status": status, "wall_s": time.monotonic() - t0,
