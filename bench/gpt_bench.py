@@ -7,7 +7,8 @@ Same presets, synthetic data, bf16 parameters with fp32 gradient buffers and fp3
 master weights, Adam, and the same FLOPs formula (Megatron's: causal attention
 counted as half) as the Megatron-Core anchor, so the RESULT_JSON lines compare
 directly. The training step is parallel3d.training.train_step, the one the
-pretraining script runs.
+pretraining script runs. Any other flag goes to the training arguments as it does in pretrain_gpt.py,
+the FP8 ones included (``--fp8-format hybrid --fp8-recipe tensorwise``): the result names them.
 
 Extras:
 - ``--schedule-timing``: time every forward/backward of the pipeline schedule
@@ -69,10 +70,26 @@ PRESETS = {  # the Megatron anchor's presets
                  "--seq-length", "2048", "--vocab-size", "128256", "--micro-batch-size", "4",
                  "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                  "--disable-bias-linear", "--untie-embeddings-and-output-weights"],
+    # Llama-3.2-3B's shape (untied output, as llama-1b): the larger model where FP8's GEMMs pay more
+    "llama-3b": ["--num-layers", "28", "--hidden-size", "3072", "--num-attention-heads", "24",
+                 "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "8192",
+                 "--seq-length", "2048", "--vocab-size", "128256", "--micro-batch-size", "1",
+                 "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                 "--disable-bias-linear", "--untie-embeddings-and-output-weights"],
     # Megatron-LM README's 7.1B row (the anchor's mlm-7.1b); run with fewer layers to fit a few GPUs.
     "mlm-7.1b": ["--num-layers", "30", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length",
                  "4096", "--vocab-size", "131072", "--micro-batch-size", "1",
                  "--untie-embeddings-and-output-weights"],
+}
+
+# Megatron's FP8 flags per recipe, as the benchmarks run them. The format follows torchao's recipe of the
+# same name, so torchtitan's float8 run is the same arithmetic: tensorwise keeps e5m2 for gradients (hybrid),
+# rowwise is e4m3 throughout. Delayed scaling with Megatron's example history (TE's recipe).
+FP8_RECIPES = {
+    "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+    "delayed": ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "1024",
+                "--fp8-amax-compute-algo", "max"],
 }
 
 
@@ -109,6 +126,16 @@ def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace,
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
     args = validate_args(parse_args(argv, extra_args_provider=gpt.add_sampling_args), world)
     return bench, args
+
+
+def fp8_settings(args: argparse.Namespace) -> dict:
+    """The run's FP8 options as the training arguments hold them (Megatron's dest for --fp8-format is ``fp8``):
+    all None for a bf16 run, the amax history's only under the delayed recipe (the one that reads them)."""
+    fp8 = getattr(args, "fp8", None)
+    recipe = getattr(args, "fp8_recipe", None) if fp8 else None
+    delayed = {k: getattr(args, k, None) if recipe == "delayed" else None
+               for k in ("fp8_amax_history_len", "fp8_amax_compute_algo")}
+    return {"fp8_format": fp8, "fp8_recipe": recipe, **delayed}
 
 
 def synthetic_iterator(args: argparse.Namespace):
@@ -200,7 +227,7 @@ def main(argv=None) -> None:
         "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None,
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if torch.cuda.is_available() else None,
-        "sm_carveout": bench.sm_carveout,
+        "sm_carveout": bench.sm_carveout, **fp8_settings(args),
     }
 
     if bench.schedule_timing and args.pipeline_model_parallel_size > 1:

@@ -4,9 +4,14 @@
 #   bash bench/run_gpu_benches.sh planner          (calibrate this machine, then validate on 1-2 GPUs)
 #   bash bench/run_gpu_benches.sh nccl             (the link: all-gather / reduce-scatter / all-reduce bus bandwidth)
 #   LAYOUTS="1gpu pp4-1f1b pp4-zb-h2" bash bench/run_gpu_benches.sh layouts   (bench/layouts_bench.py)
+#   bash bench/run_gpu_benches.sh fp8              (bf16 and FP8 recipes against plain + compile and torchtitan
+#                                                   float8, one GPU per preset; FP8_PRESETS, FP8_GPUS presets at
+#                                                   once, FP8_BUDGET_S seconds in all)
+#   bash bench/run_gpu_benches.sh fp8-convergence  (one GPU: bench/fp8_convergence.py, FP8 against bf16)
+#   bash bench/run_gpu_benches.sh fp8-tests        (tests/gpu/test_fp8_parity.py: 1 GPU, and 2 where present)
 # PARALLEL3D_JIT=1 (set here) builds csrc/ once into ~/.cache; the GPT runs then use the kernels.
 # Needs .whl/ with the megatron-core wheel and the anchor scripts (see ../shared/anchors/README.md), and
-# .whl/titan/ for the torchtitan row of "single" (bench/fetch_titan_wheels.sh).
+# .whl/titan/ for the torchtitan row of "single" (bench/fetch_titan_wheels.sh); .whl/torchao-*.whl for FP8.
 set -u
 export OUT=${OUT:-/tmp/bench_out} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PARALLEL3D_JIT=${PARALLEL3D_JIT:-1}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
@@ -14,6 +19,10 @@ mkdir -p "$OUT"
 if ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-index --target /tmp/mcore .whl/megatron_core-*.whl
   export PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ls .whl/torchao-*.whl >/dev/null 2>&1 && ! python3 -c "import torchao" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/torchao .whl/torchao-*.whl
+  export PYTHONPATH=/tmp/torchao${PYTHONPATH:+:$PYTHONPATH}
 fi
 # Build the kernels once here, before any multi-process run: two ranks JIT-building at the same time
 # stalled a PP=2 run past its 240 s timeout once (2 x H200, 2026-11-26).
@@ -33,7 +42,12 @@ for what in "$@"; do
                --timeout 150 && BENCH_TIMEOUT=110 python3 bench/validate_planner.py --batches 32 \
                --cluster-file "$OUT/planner_cluster.json" --log-dir "$OUT/logs" --out "$OUT/validate_planner.md" ;;
     layouts) python3 bench/layouts_bench.py --runs ${LAYOUTS:-1gpu tp2-sp} --timeout 110 --out "$OUT" ;;
-    *) echo "unknown benchmark $what (fused-tests, single, ddp, pipeline, kernels, nccl, planner, layouts)"; exit 2 ;;
+    fp8) python3 bench/single_gpu_bench.py --fp8 --presets ${FP8_PRESETS:-llama-3b llama-1b gpt-1.3b} \
+           --gpus ${FP8_GPUS:-1} --budget-s $(( ${FP8_BUDGET_S:-510} - SECONDS )) ;;
+    fp8-convergence) python3 bench/fp8_convergence.py --out "$OUT" ;;
+    fp8-tests) timeout 480 python3 -m pytest -q -rs tests/gpu/test_fp8_parity.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -n 40 ;;
+    *) echo "unknown benchmark $what (fused-tests, single, ddp, pipeline, kernels, nccl, planner, layouts, fp8," \
+            "fp8-convergence, fp8-tests)"; exit 2 ;;
   esac
 done
 # At most a few files come back from the device machine: pack the logs into one.

@@ -32,12 +32,15 @@ SPEC_NAME = "llama3_bench"
 
 # name -> (model args, seq_len, micro-batch). Shapes as plain_gpt_bench.py's presets of the same name.
 # The FFN width comes out of torchtitan's rule int(ffn_dim_multiplier * int(2 * 4 * dim / 3)) rounded
-# up to multiple_of: dim 2048, 1.5, 1024 -> 8192 (Llama-3.2-1B's values); dim 4096, 1.3, 1024 -> 14336.
+# up to multiple_of: dim 2048, 1.5, 1024 -> 8192 (Llama-3.2-1B's values); dim 3072, 1.0, 256 -> 8192
+# (Llama-3.2-3B's); dim 4096, 1.3, 1024 -> 14336.
 PRESETS: dict[str, tuple[TransformerModelArgs, int, int]] = {
     "tiny": (TransformerModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024,
                                   multiple_of=256, rope_theta=500000), 256, 4),
     "llama-1b": (TransformerModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
                                       multiple_of=1024, ffn_dim_multiplier=1.5, rope_theta=500000), 2048, 4),
+    "llama-3b": (TransformerModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
+                                      multiple_of=256, ffn_dim_multiplier=1.0, rope_theta=500000), 2048, 1),
     "llama3-8b": (TransformerModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
                                        multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000), 8192, 1),
 }

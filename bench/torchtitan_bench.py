@@ -3,6 +3,7 @@
 shapes of our presets, and this script prints one ``RESULT_JSON: {...}`` line like plain_gpt_bench.py.
 
     torchrun --standalone --nproc-per-node=1 bench/torchtitan_bench.py --preset llama-1b --iters 6 --warmup 2
+    torchrun --standalone --nproc-per-node=1 bench/torchtitan_bench.py --preset llama-3b --float8 tensorwise
     torchrun --standalone --nproc-per-node=1 bench/torchtitan_bench.py --cpu-smoke     (no GPU: tiny, 2 steps)
 
 Why torchtitan 0.2.2 and not 0.3.0: 0.3.0 is built against torch nightly. On torch 2.11 (the GPU
@@ -25,6 +26,15 @@ hook (bench/titan_spec.py): the preset flavors and random tokens instead of C4 a
 The Trainer subclass below only times ``train_step`` (cuda-synchronized before and after, so a step
 includes its 4 micro-batches, clipping, the optimizer step and torchtitan's per-step metrics log)
 and records loss and memory.
+
+``--float8 tensorwise|rowwise`` turns on torchtitan's float8 training as its users do: the model converter
+``quantize.linear.float8`` (torchtitan 0.2.2's name; newer ones call it ``float8``) with
+``[quantize.linear.float8] recipe_name``, which swaps every ``nn.Linear`` for torchao's ``Float8Linear``
+(torchao's recipe of that name: tensorwise scales e4m3 activations and weights and e5m2 gradients,
+rowwise scales e4m3 per row) under the same ``torch.compile``. ``filter_fqns = ["output"]`` keeps the
+output layer in bf16 as torchtitan's own Llama-3 float8 configs do, and as parallel3d does. torchao is
+installed from ``.whl/torchao-*.whl`` with the other wheels. ``--cpu-smoke --float8 R`` uses torchao's
+emulation (no float8 GEMM on a CPU).
 
 Numbers: ``iteration_time_s`` is the MEAN of the timed steps (after ``--warmup`` untimed ones) and
 ``tokens_per_s_per_gpu`` = global batch x seq_len / mean / world, as plain_gpt_bench.py computes them;
@@ -57,6 +67,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WHEELS = os.path.join(ROOT, ".whl", "titan")
 STUBS = os.path.join(HERE, "titan_stubs")
+TORCHAO_WHEELS = os.path.join(ROOT, ".whl", "torchao-*.whl")  # the one parallel3d[fp8] uses on the GPU machine
 RESULT: dict[str, Any] = {}  # filled by TimedTrainer, printed after torchtitan's main() returns
 
 
@@ -72,6 +83,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--site", default=os.environ.get("TITAN_SITE", "/tmp/titan_site"))
     p.add_argument("--dump-folder", default=None, help="torchtitan's job.dump_folder (default: a temp dir)")
+    p.add_argument("--float8", choices=("tensorwise", "rowwise"), default=None,
+                   help="torchtitan's float8 converter with this torchao recipe (default: bf16 autocast only)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny preset, CPU + gloo, eager, 2 steps")
     a = p.parse_args(argv)
     if a.cpu_smoke:
@@ -82,10 +95,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def ensure_torchtitan(site: str) -> None:
-    """Put torchtitan and its pure-Python dependencies on this process's path, installing the carried
-    wheels into ``site`` once (a file lock keeps concurrent ranks from installing twice). Front of
-    sys.path, before torch is imported, so tyro gets the typing_extensions it needs."""
-    wheels = sorted(glob.glob(os.path.join(WHEELS, "*.whl")))
+    """Put torchtitan, its pure-Python dependencies and torchao (float8) on this process's path, installing
+    the carried wheels into ``site`` once (a file lock keeps concurrent ranks from installing twice). Front
+    of sys.path, before torch is imported, so tyro gets the typing_extensions it needs."""
+    wheels = sorted(glob.glob(os.path.join(WHEELS, "*.whl"))) + sorted(glob.glob(TORCHAO_WHEELS))
     marker = os.path.join(site, ".installed")
     want = "\n".join(os.path.basename(w) for w in wheels)
     if wheels:
@@ -112,7 +125,7 @@ def write_toml(a: argparse.Namespace, seq_len: int, micro_batch: int, path: str)
     text = f"""# written by bench/torchtitan_bench.py
 [job]
 dump_folder = "{os.path.dirname(path)}"
-description = "parallel3d peer benchmark: {a.preset}"
+description = "parallel3d peer benchmark: {a.preset}{', float8 ' + a.float8 if a.float8 else ''}"
 
 [experimental]
 custom_import = "titan_spec"
@@ -121,7 +134,8 @@ custom_import = "titan_spec"
 name = "llama3_bench"
 flavor = "{a.preset}"
 hf_assets_path = "{os.path.dirname(path)}"
-
+converters = {'["quantize.linear.float8"]' if a.float8 else "[]"}
+{float8_toml(a)}
 [optimizer]
 name = "AdamW"
 lr = {a.lr}
@@ -168,6 +182,18 @@ seed = 1234
         f.write(text)
 
 
+def float8_toml(a: argparse.Namespace) -> str:
+    """torchtitan's float8 table for ``--float8``; nothing otherwise."""
+    if not a.float8:
+        return ""
+    return f"""
+[quantize.linear.float8]
+recipe_name = "{a.float8}"
+filter_fqns = ["output"]
+emulate = {str(a.cpu_smoke).lower()}
+"""
+
+
 def cpu_device_shim() -> None:
     """--cpu-smoke only: torchtitan 0.2.2 falls back to device "cuda" when no accelerator exists. Its
     tools/utils.py picks the device through torch._utils when torchtitan is first imported, so answer
@@ -192,6 +218,8 @@ def cpu_device_shim() -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     a = parse_args(argv)
     ensure_torchtitan(a.site)
+    if a.float8 and importlib.util.find_spec("torchao") is None:
+        sys.exit(f"--float8 needs torchao: carry its wheel as {TORCHAO_WHEELS}")
     dump = a.dump_folder or tempfile.mkdtemp(prefix=f"titan_{a.preset}_")
     os.makedirs(dump, exist_ok=True)
     toml = os.path.join(dump, "job_config.toml")  # written below, once the preset is known
@@ -271,7 +299,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             name = torch.cuda.get_device_name() if cuda else "cpu"
             RESULT.update(
                 framework="torchtitan", torchtitan_version=torchtitan.__version__, torch_version=torch.__version__,
-                device=name, world_size=world, compile=cfg.compile.enable,
+                device=name, world_size=world, compile=cfg.compile.enable, float8_recipe=a.float8,
+                model_converters=list(cfg.model.converters),
                 compile_components=list(cfg.compile.components) if cfg.compile.enable else [],
                 mixed_precision="torch.autocast bf16, fp32 params (no FSDP at dp_shard=1)"
                 if not self.parallel_dims.fsdp_enabled else "FSDP2 MixedPrecisionPolicy bf16",

@@ -4,8 +4,10 @@
 
 Started by tests/gpu/test_nccl_parity.py (one process per GPU, NCCL) and, to prove the same driver on
 CPU ranks, with PARALLEL3D_DEVICE=cpu (gloo). CASES.json is a list of cases
-``{"name", "kind", "family", "dtype", "tp", "pp", "vp", "sp", "extra"}``:
+``{"name", "kind", "family", "dtype", "tp", "pp", "vp", "sp", "extra"}``, ``dtype`` a key of PRECISIONS:
 - ``reference`` (one process): save the weights, losses and gradient norms as OUT_DIR/ref_<family>_<dtype>.*;
+  with ``"against": DTYPE``, also how far its weights are from that reference (run earlier in the same
+  list): an FP8 reference against bf16 measures what FP8 changes;
 - ``layout``: train in the case's layout and write, per rank, each iteration's losses and gradient norm and
   how far every weight shard is from the reference of the same family and precision;
 - ``resume``: 6 iterations straight, then 3 + save + load + 3 in the same layout (dropout on).
@@ -28,32 +30,52 @@ from parallel3d import parallel_state as ps  # noqa: E402
 from parallel3d.device import default_backend  # noqa: E402
 
 
+# A case's precision -> its flags. FP8 computes the TP linears' GEMMs in FP8 on a bf16 model (Megatron's
+# flags; torchao's recipes of those names: tensorwise keeps e5m2 gradients, rowwise is e4m3 throughout).
+PRECISIONS = {
+    "fp32": [],
+    "bf16": ["--bf16"],
+    "fp8-tensorwise": ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "fp8-delayed": ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "4",
+                    "--fp8-amax-compute-algo", "max"],
+    "fp8-rowwise": ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+}
+
+
 def _args(case, world, **kw):
-    dtype = {"bf16": ["--bf16"], "fp32": []}[case["dtype"]]
-    return layout_args(case["family"], case["tp"], case["pp"], case["vp"], case["sp"], dtype + case["extra"],
-                       world=world, **kw)
+    return layout_args(case["family"], case["tp"], case["pp"], case["vp"], case["sp"],
+                       PRECISIONS[case["dtype"]] + case["extra"], world=world, **kw)
 
 
 def _losses(result):
     return [d["lm loss"] for d in result["losses"]]
 
 
-def reference(case, out):
-    result = train(_args(case, 1))
-    stem = os.path.join(out, f"ref_{case['family']}_{case['dtype']}")
-    save_file({n: t.float().cpu().contiguous() for n, t in full_weights(result).items()}, stem + ".safetensors")
-    return {"losses": _losses(result), "grad_norms": result["grad_norms"]}
-
-
-def layout(case, out):
-    ref = load_file(os.path.join(out, f"ref_{case['family']}_{case['dtype']}.safetensors"))
-    result = train(_args(case, dist.get_world_size()))
+def _weights_against(result, out, family, dtype):
+    """{weight name: how far this rank's shard is from the ``dtype`` reference's}."""
+    ref = load_file(os.path.join(out, f"ref_{family}_{dtype}.safetensors"))
     weights = {}
     for name, got, want in shards_against(result, ref):
         diff = got.float() - want
         weights[name] = {"max_abs": diff.abs().max().item(), "diff_sq": diff.square().sum().item(),
                          "ref_sq": want.float().square().sum().item()}
-    return {"losses": _losses(result), "grad_norms": result["grad_norms"], "weights": weights}
+    return weights
+
+
+def reference(case, out):
+    result = train(_args(case, 1))
+    stem = os.path.join(out, f"ref_{case['family']}_{case['dtype']}")
+    save_file({n: t.float().cpu().contiguous() for n, t in full_weights(result).items()}, stem + ".safetensors")
+    record = {"losses": _losses(result), "grad_norms": result["grad_norms"]}
+    if "against" in case:
+        record["weights"] = _weights_against(result, out, case["family"], case["against"])
+    return record
+
+
+def layout(case, out):
+    result = train(_args(case, dist.get_world_size()))
+    return {"losses": _losses(result), "grad_norms": result["grad_norms"],
+            "weights": _weights_against(result, out, case["family"], case["dtype"])}
 
 
 def resume(case, out):
