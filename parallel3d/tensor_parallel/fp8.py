@@ -126,7 +126,9 @@ class Fp8Recipe:
             text += (f" (amax history {self.amax_history_len}, {self.amax_compute_algo}, margin {self.margin}, "
                      "updated once per step)")
         text += ", wgrad in FP8" if self.wgrad else ", wgrad in high precision"
-        return text + "; output layer and embeddings in high precision"
+        # Said where the user reads it: this path is correct but measured slower than bf16 so far.
+        return text + ("; output layer and embeddings in high precision. Not yet faster than bf16: see "
+                       "BENCHMARKS.md, 'FP8 on one H100'")
 
 
 # Which dimension of each 2D operand is split over TP: [partition_dim][role]. A column-parallel
