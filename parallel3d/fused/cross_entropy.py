@@ -1,6 +1,8 @@
 """Cross-entropy over logits that hold the whole vocabulary (tensor parallelism 1; above it,
 ``tensor_parallel.vocab_parallel_cross_entropy``'s algorithm runs): ``loss = lse - x[target]``, with
-Megatron's label smoothing, fp32 arithmetic, and the vocabulary padding columns left out.
+fp32 arithmetic and the vocabulary padding columns left out. ``label_smoothing`` here is the weight of
+the uniform term, ``(1 - a) * nll + a * mean(-log p)`` (torch's formula); ``vocab_parallel_cross_entropy``
+turns Megatron's alpha into it (``a = alpha * K / (K - 1)``) before calling this.
 
 The kernel (csrc/cross_entropy.cu) reads the logits once forward and once backward and writes the
 gradient once, keeping the logits themselves (bf16: 2 bytes each) for the backward. The PyTorch
