@@ -33,15 +33,12 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 # The layout's dimensions, fastest- to slowest-varying in the default order, each with the Megatron
-# argument that sets its size (DP's is derived: the world over the others). A new one (cp, ep) is one
-# entry here, its keyword in initialize_model_parallel, its groups in GROUPS and its getters at the
-# end of this file; training and the model's config take its size from MODEL_PARALLEL_SIZES.
+# argument of its size. A new one (cp, ep) is one entry here, its keyword (and place in the default
+# order) in initialize_model_parallel and build_group_ranks, its groups in GROUPS and its getters.
 DIMENSIONS = {"tp": "tensor_model_parallel_size", "dp": "data_parallel_size", "pp": "pipeline_model_parallel_size"}
-# The dimensions whose sizes are given, by Megatron's names; DP's is derived (data_parallel_size).
+# The sizes a layout is given (DP's is derived: data_parallel_size) and the virtual pipeline size:
+# initialize_model_parallel's and TransformerConfig's keywords, read off the arguments as one record.
 _GIVEN_SIZES = tuple(name for dim, name in DIMENSIONS.items() if dim != "dp")
-# The sizes that describe a layout: the given ones and the virtual pipeline size (Megatron's
-# ModelParallelConfig sizes). initialize_model_parallel and TransformerConfig take them as keywords;
-# training reads them off its arguments as one record (model_parallel_sizes).
 MODEL_PARALLEL_SIZES = (*_GIVEN_SIZES, "virtual_pipeline_model_parallel_size")
 # Megatron's other dimensions: an order string may name them, at size 1 (see parse_order).
 _SIZE_ONE_DIMENSIONS = ("cp", "ep")
@@ -100,8 +97,7 @@ class Grid:
 
 
 def model_parallel_sizes(args: Any) -> dict[str, Optional[int]]:
-    """The layout's sizes (MODEL_PARALLEL_SIZES) read off ``args``, as keywords for initialize_model_parallel
-    and TransformerConfig."""
+    """The layout's sizes (MODEL_PARALLEL_SIZES) read off ``args``, by name."""
     return {name: getattr(args, name) for name in MODEL_PARALLEL_SIZES}
 
 

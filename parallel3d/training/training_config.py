@@ -31,9 +31,7 @@ class LayoutConfig:
     """The process layout, the pipeline schedule and the batch split, as validate_args derived them."""
 
     world_size: int
-    # parallel_state.model_parallel_sizes: every given size (TP, PP, ...) and the virtual pipeline size, by
-    # Megatron's names: initialize_model_parallel's and TransformerConfig's keywords
-    model_parallel_sizes: dict
+    model_parallel_sizes: dict  # parallel_state.model_parallel_sizes: TP, PP, ... and the virtual size, by name
     data_parallel_size: int
     sequence_parallel: bool
     pipeline_schedule: Optional[str]  # --pipeline-schedule; None: the layout's (1F1B / interleaved)
