@@ -26,14 +26,20 @@ group (tensor_parallel/utils.py ``resolve_tp_group``).
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-# The layout's dimensions (Megatron's names). A new one (cp, ep) is one entry here, its size in
-# initialize_model_parallel, its groups in GROUPS and its getters at the end of this file.
-DIMENSIONS = ("tp", "dp", "pp")
+# The layout's dimensions, fastest- to slowest-varying in the default order, each with the Megatron
+# argument of its size. A new one (cp, ep) is one entry here, its keyword (and place in the default
+# order) in initialize_model_parallel and build_group_ranks, its groups in GROUPS and its getters.
+DIMENSIONS = {"tp": "tensor_model_parallel_size", "dp": "data_parallel_size", "pp": "pipeline_model_parallel_size"}
+# The sizes a layout is given (DP's is derived: data_parallel_size) and the virtual pipeline size:
+# initialize_model_parallel's and TransformerConfig's keywords, read off the arguments as one record.
+_GIVEN_SIZES = tuple(name for dim, name in DIMENSIONS.items() if dim != "dp")
+MODEL_PARALLEL_SIZES = (*_GIVEN_SIZES, "virtual_pipeline_model_parallel_size")
 # Megatron's other dimensions: an order string may name them, at size 1 (see parse_order).
 _SIZE_ONE_DIMENSIONS = ("cp", "ep")
 # The groups every rank joins, by the dimensions that vary inside each (TP x PP: one model replica).
@@ -48,7 +54,7 @@ def parse_order(order: str) -> tuple[str, ...]:
     appear (they have size 1 here, so where they stand changes nothing) and are dropped.
     """
     names = order.lower().split("-")
-    if len(set(names)) != len(names) or not set(names) <= set(DIMENSIONS + _SIZE_ONE_DIMENSIONS):
+    if len(set(names)) != len(names) or not set(names) <= {*DIMENSIONS, *_SIZE_ONE_DIMENSIONS}:
         raise ValueError(f"order must name each of {'-'.join(DIMENSIONS)} (and optionally cp, ep) at most once, "
                          f"joined by '-', e.g. 'tp-dp-pp' or 'tp-pp-dp'; got {order!r}")
     given = tuple(n for n in names if n in DIMENSIONS)
@@ -90,30 +96,35 @@ class Grid:
         return sorted(by_key.values())
 
 
-# The layout's own names; validate_args passes its flags' names instead, so one rule (and one message)
-# serves the API and the command line.
-LAYOUT_NAMES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+def model_parallel_sizes(args: Any) -> dict[str, Optional[int]]:
+    """The layout's sizes (MODEL_PARALLEL_SIZES) read off ``args``, by name."""
+    return {name: getattr(args, name) for name in MODEL_PARALLEL_SIZES}
 
 
-def data_parallel_size(world_size: int, tp: int, pp: int, names: tuple[str, ...] = LAYOUT_NAMES) -> int:
-    """World / (TP x PP), or a ValueError naming the sizes: the one rule of the process layout."""
-    if tp < 1 or pp < 1:
-        raise ValueError(f"{names[0]} ({tp}) and {names[1]} ({pp}) must be >= 1")
-    if world_size % (tp * pp) != 0:
-        raise ValueError(f"world size ({world_size}) is not divisible by {names[0]} ({tp}) x {names[1]} ({pp}) "
-                         f"= {tp * pp}")
-    return world_size // (tp * pp)
+# A layout rule's message names a size by its keyword; validate_args passes `flag` to name its flag
+# instead, so one rule (and one message) serves the API and the command line.
+def data_parallel_size(world_size: int, sizes: dict[str, Any], flag: Callable[[str], str] = str) -> int:
+    """World / the product of the given sizes (``sizes`` by Megatron's names), or a ValueError naming
+    them: the one rule of the process layout."""
+    given = [f"{flag(name)} ({sizes[name]})" for name in _GIVEN_SIZES]
+    if any(sizes[name] < 1 for name in _GIVEN_SIZES):
+        raise ValueError(" and ".join(given) + " must be >= 1")
+    product = math.prod(sizes[name] for name in _GIVEN_SIZES)
+    if world_size % product != 0:
+        raise ValueError(f"world size ({world_size}) is not divisible by {' x '.join(given)} = {product}")
+    return world_size // product
 
 
-def check_virtual_pipeline_size(pp: int, vp: Optional[int], names: tuple[str, ...] = LAYOUT_NAMES) -> None:
+def check_virtual_pipeline_size(pp: int, vp: Optional[int], flag: Callable[[str], str] = str) -> None:
     """Virtual stages (None: none) interleave several pipeline ranks: a positive size, with PP > 1."""
     if vp is None:
         return
+    vp_name, pp_name = flag("virtual_pipeline_model_parallel_size"), flag("pipeline_model_parallel_size")
     if pp == 1:
-        raise ValueError(f"{names[2]}={vp} needs {names[1]} > 1 (virtual stages interleave several pipeline "
+        raise ValueError(f"{vp_name}={vp} needs {pp_name} > 1 (virtual stages interleave several pipeline "
                          "ranks); leave it unset with one pipeline stage")
     if not isinstance(vp, int) or vp < 1:
-        raise ValueError(f"{names[2]} must be a positive integer, got {vp!r}")
+        raise ValueError(f"{vp_name} must be a positive integer, got {vp!r}")
 
 
 def build_group_ranks(
@@ -128,9 +139,11 @@ def build_group_ranks(
     ``embedding`` (first and last stage of each pipeline, for tied embeddings).
     Each group's ranks are ordered by the coordinate that varies inside it.
     """
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    given = {"tensor_model_parallel_size": tensor_model_parallel_size,
+             "pipeline_model_parallel_size": pipeline_model_parallel_size}
     parse_order(order)  # a bad order string is named before the sizes are checked
-    grid = Grid.of(order, {"tp": tp, "dp": data_parallel_size(world_size, tp, pp), "pp": pp})
+    dp = data_parallel_size(world_size, given)
+    grid = Grid.of(order, {dim: dp if dim == "dp" else given[name] for dim, name in DIMENSIONS.items()})
     tables = {kind: grid.groups(dims) for kind, dims in GROUPS.items()}
     tables["embedding"] = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in tables["pp"]]
     return tables
@@ -269,8 +282,6 @@ def initialize_model_parallel(
     # build_group_ranks checks the sizes and the order; the virtual size only matters for the stage queries.
     tables = build_group_ranks(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, order)
     check_virtual_pipeline_size(pipeline_model_parallel_size, virtual_pipeline_model_parallel_size)
-    sizes = {"tp": tensor_model_parallel_size, "pp": pipeline_model_parallel_size,
-             "dp": world_size // (tensor_model_parallel_size * pipeline_model_parallel_size)}
     groups: dict[str, dist.ProcessGroup] = {}
     mine: dict[str, list[int]] = {}
     for kind, table in tables.items():
@@ -280,7 +291,8 @@ def initialize_model_parallel(
             if rank in ranks:
                 groups[kind], mine[kind] = group, ranks
     mine.setdefault("embedding", [])
-    _STATE = ParallelState({d: sizes[d] for d in DIMENSIONS}, virtual_pipeline_model_parallel_size,
+    sizes = {dim: len(tables[dim][0]) for dim in DIMENSIONS}  # each dimension's size: its own group's
+    _STATE = ParallelState(sizes, virtual_pipeline_model_parallel_size,
                            "-".join(parse_order(order)), rank, mine, groups)
     return _STATE
 

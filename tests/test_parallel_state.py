@@ -108,6 +108,31 @@ def test_megatron_keywords_refused_by_name_before_any_work():
         ps.initialize_model_parallel(no_such_option=1)
 
 
+def test_training_passes_each_layout_size_by_name_to_the_groups_and_the_model_config():
+    """A new dimension is its entry in DIMENSIONS: training reads the layout's sizes off the arguments as one
+    record (model_parallel_sizes) and passes them by Megatron's names, so initialize_model_parallel and
+    TransformerConfig must take each, and the record must carry the values given."""
+    import dataclasses
+    import inspect
+
+    from parallel3d.models import TransformerConfig
+    from parallel3d.training.arguments import parse_args, validate_args
+    from parallel3d.training.gpt import transformer_config_from_args
+    from parallel3d.training.training_config import TrainingConfig
+
+    assert set(ps.MODEL_PARALLEL_SIZES) <= set(inspect.signature(ps.initialize_model_parallel).parameters)
+    assert set(ps.MODEL_PARALLEL_SIZES) <= {f.name for f in dataclasses.fields(TransformerConfig)}
+    args = validate_args(parse_args(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                     "--virtual-pipeline-model-parallel-size", "2", "--num-layers", "8",
+                                     "--vocab-size", "64", "--micro-batch-size", "1", "--global-batch-size", "8"]), 8)
+    given = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+             "virtual_pipeline_model_parallel_size": 2}
+    layout = TrainingConfig.from_args(args).layout
+    assert (layout.model_parallel_sizes, layout.data_parallel_size) == (given, 2)
+    config = transformer_config_from_args(args)
+    assert {name: getattr(config, name) for name in given} == given
+
+
 def test_not_initialised_error():
     with pytest.raises(RuntimeError, match="torch.distributed is not initialised"):
         ps.initialize_model_parallel(1, 1)

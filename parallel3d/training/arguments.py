@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 from parallel3d.training.argument_rules import (  # noqa: F401 - ArgumentError is this module's API too
     ArgumentError,
     environment_problems,
+    flag,
     ineffective_flags,
     notice as _notice,
     check_optimizer_and_schedule,
@@ -34,7 +35,7 @@ from parallel3d.training.megatron_args import (
     check_megatron_args,
     check_refusals,
 )
-from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size
+from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size, model_parallel_sizes
 from parallel3d.pipeline.forward_backward import default_schedule_name
 from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, check_schedule_args
 
@@ -253,14 +254,10 @@ def _check_pipeline_schedule(name: Optional[str], pp: int, vp: Optional[int]) ->
     return vp
 
 
-_FLAG_NAMES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-               "--virtual-pipeline-model-parallel-size")
-
-
 def _layout_rule(rule: Callable[..., Any], *sizes: Any) -> Any:
     """parallel_state's layout rule, its message naming the flags (one rule for the API and the CLI)."""
     try:
-        return rule(*sizes, names=_FLAG_NAMES)
+        return rule(*sizes, flag=flag)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
 
@@ -280,7 +277,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     # Every problem of these independent rules at once; the rules after them do arithmetic on the values.
     problems = range_problems(args) + refused_combinations(args) + environment_problems(args)
     try:
-        args.data_parallel_size = _layout_rule(data_parallel_size, world_size, tp, pp)
+        args.data_parallel_size = _layout_rule(data_parallel_size, world_size, model_parallel_sizes(args))
     except ArgumentError as e:
         problems[:0] = e.problems
     try:

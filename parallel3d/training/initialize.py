@@ -58,10 +58,7 @@ def initialize_distributed(config: TrainingConfig | argparse.Namespace) -> None:
     timeout = prepare_process_groups(backend, datetime.timedelta(minutes=loop.distributed_timeout_minutes))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
-    parallel_state.initialize_model_parallel(
-        layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-        layout.virtual_pipeline_model_parallel_size, timeout=timeout,
-    )
+    parallel_state.initialize_model_parallel(**layout.model_parallel_sizes, timeout=timeout)
     start_watchdog()
     # Megatron's _set_random_seed: one seed per pipeline stage for the CPU generator (weights are
     # initialised there) and the device's, TP streams inside the tracker.
@@ -75,7 +72,8 @@ def get_model(model_provider: Callable[..., torch.nn.Module], config: TrainingCo
     """Build this rank's model chunks (one per virtual stage) and wrap each in DDP."""
     state = parallel_state.resolve_parallel_state()
     chunks = []
-    P, V = state.pipeline_model_parallel_size, config.layout.virtual_pipeline_model_parallel_size or 1
+    P = state.pipeline_model_parallel_size
+    V = config.layout.model_parallel_sizes["virtual_pipeline_model_parallel_size"] or 1
     placement = placement_of(config.layout.pipeline_schedule, V)  # ZB-V / DualPipeV (auto over 2 chunks): a V
     for c in range(V):
         v = virtual_stage(state.pipeline_model_parallel_rank, c, P, placement)

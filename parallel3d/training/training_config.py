@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from parallel3d.distributed import DistributedDataParallelConfig, OptimizerConfig
+from parallel3d.parallel_state import model_parallel_sizes
 from parallel3d.training.megatron_args import current_global_batch_size, scheduler_steps
 
 
@@ -30,9 +31,7 @@ class LayoutConfig:
     """The process layout, the pipeline schedule and the batch split, as validate_args derived them."""
 
     world_size: int
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
-    virtual_pipeline_model_parallel_size: Optional[int]
+    model_parallel_sizes: dict  # parallel_state.model_parallel_sizes: TP, PP, ... and the virtual size, by name
     data_parallel_size: int
     sequence_parallel: bool
     pipeline_schedule: Optional[str]  # --pipeline-schedule; None: the layout's (1F1B / interleaved)
@@ -158,7 +157,8 @@ class TrainingConfig:
         )
         rampup = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
         return TrainingConfig(
-            _section(LayoutConfig, args, rampup_batch_size=rampup), loop,
+            _section(LayoutConfig, args, model_parallel_sizes=model_parallel_sizes(args), rampup_batch_size=rampup),
+            loop,
             _section(LRScheduleConfig, args, **scheduler_steps(args)), _section(CheckpointConfig, args),
             _section(LoggingConfig, args), optimizer, ddp, vars(args))
 
