@@ -224,4 +224,7 @@ def test_the_training_log_names_the_fp8_recipe(monkeypatch):
     lines = []
     monkeypatch.setattr(training, "print_rank_0", lambda *a, **k: lines.append(" ".join(map(str, a))))
     train(fp8_args("llama", "rowwise", iters=2, extra=SMALL))
-    assert "FP8 e4m3 (e4m3), recipe rowwise, wgrad in FP8; output layer and embeddings in high precision" in lines
+    fp8_lines = [line for line in lines if line.startswith("FP8 ")]
+    assert len(fp8_lines) == 1, lines
+    assert fp8_lines[0].startswith("FP8 e4m3 (e4m3), recipe rowwise, wgrad in FP8; output layer and embeddings "
+                                   "in high precision. Not yet faster than bf16"), fp8_lines
