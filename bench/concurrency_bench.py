@@ -22,10 +22,11 @@ import argparse
 import ctypes
 import json
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
+
+from nccl_bench import time_ms  # bench/ is this script's directory
 
 
 def stream_wait_value32(address: int, value: int) -> None:
@@ -77,7 +78,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     group = dist.group.WORLD
-    side, high = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+    high = torch.cuda.Stream(priority=-1)
     mat = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 
     def gemm(carveout=None):
@@ -86,23 +87,7 @@ def main() -> None:
         torch._C._set_sm_carveout_experimental(None)
 
     def timed(fn, beside=None) -> float:
-        times = []
-        for i in range(a.warmup + a.iters):
-            dist.barrier()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if beside is not None:
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    beside()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            if i >= a.warmup:
-                times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return time_ms(fn, a.iters, a.warmup, beside)
 
     tiny = torch.randn(1024, device="cuda")
 

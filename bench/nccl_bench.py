@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from parallel3d.collectives import all_gather_into_tensor, reduce_scatter_tensor  # noqa: E402
 
 
-def _time(fn, iters: int, warmup: int, beside=None) -> float:
+def time_ms(fn, iters: int, warmup: int, beside=None) -> float:
     """Median milliseconds of ``fn`` (on the current stream); ``beside`` runs on another stream meanwhile."""
     side = torch.cuda.Stream()
     times = []
@@ -66,7 +66,7 @@ def main() -> None:
     rows = []
     for co in [None] + a.carveouts:  # the GEMM alone: what a carveout costs it
         torch._C._set_sm_carveout_experimental(co)
-        ms = _time(gemm, a.iters, a.warmup) / 4
+        ms = time_ms(gemm, a.iters, a.warmup) / 4
         rows.append({"op": "gemm 8192^3", "size_mib": 0, "where": f"{co or 0} SMs free", "ms": ms,
                      "busbw_gbs": 2 * 8192 ** 3 / (ms * 1e-3) / 1e12, "ranks": n})
     torch._C._set_sm_carveout_experimental(None)
@@ -91,7 +91,7 @@ def main() -> None:
             besides = [("alone", None), ("beside a GEMM", gemm)]
             besides += [(f"beside, {co} SMs free", beside_with(co)) for co in a.carveouts]
             for where, beside in besides:
-                ms = _time(fn, a.iters, a.warmup, beside)
+                ms = time_ms(fn, a.iters, a.warmup, beside)
                 busbw = factor * numel * 2 * (n - 1) / n / (ms * 1e-3) / 1e9
                 rows.append({"op": name, "size_mib": mib, "where": where, "ms": ms, "busbw_gbs": busbw, "ranks": n})
     if rank == 0:
