@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from parallel3d.tools.checkpoint.megatron_files import args_from_config, config_from_args  # noqa: E402
+from parallel3d.tools.checkpoint.megatron_files import args_from_config, config_from_args, safe_load  # noqa: E402
 from parallel3d.tools.checkpoint.parallel3d_format import Parallel3dLoader  # noqa: E402
 from parallel3d.tools.checkpoint.schema import ConversionError, embedding_specs, head_specs, layer_specs  # noqa: E402
 from parallel3d.tools.convert_checkpoint import convert, main as convert_main  # noqa: E402
@@ -239,7 +239,7 @@ def test_megatron_export_layout(tmp_path):
         assert f.read() == "release"
     assert sorted(os.listdir(os.path.join(out, "release"))) == [
         "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-    last = torch.load(os.path.join(out, "release", "mp_rank_01_001", "model_optim_rng.pt"), weights_only=False)
+    last = safe_load(os.path.join(out, "release", "mp_rank_01_001", "model_optim_rng.pt"))
     assert last["checkpoint_version"] == 3.0 and last["iteration"] == 0 and "model" not in last
     args = last["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,

@@ -178,6 +178,7 @@ def _worker(rank, world_size, root, families):
     _shims()
     from megatron.core import parallel_state as mps
 
+    from parallel3d.tools.checkpoint.megatron_files import safe_load
     from parallel3d.tools.convert_checkpoint import convert
 
     mps.initialize_model_parallel(TP, PP)
@@ -203,8 +204,8 @@ def _worker(rank, world_size, root, families):
             torch.distributed.barrier()
             fresh = _build(family, seed=99)
             tp, pp = mps.get_tensor_model_parallel_rank(), mps.get_pipeline_model_parallel_rank()
-            saved = torch.load(os.path.join(base, "back", f"iter_{ITERATION:07d}", f"mp_rank_{tp:02d}_{pp:03d}",
-                                            "model_optim_rng.pt"), weights_only=False)
+            saved = safe_load(os.path.join(base, "back", f"iter_{ITERATION:07d}", f"mp_rank_{tp:02d}_{pp:03d}",
+                                           "model_optim_rng.pt"))
             fresh.load_state_dict(saved["model"], strict=True)
             back = _logits(fresh, tokens)
             fresh = _build(family, seed=98)
