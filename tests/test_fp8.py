@@ -223,3 +223,55 @@ def test_delayed_only_flags_warn_under_other_recipes(capsys):
         capsys.readouterr().err
     _validate(["--bf16", "--no-fp8-wgrad"])
     assert "--no-fp8-wgrad has no effect without --fp8-format" in capsys.readouterr().err
+
+
+def _run_steps(lin, batches, go, steps):
+    """(outputs, input grads, weight grads) of ``steps`` optimizer steps (SGD, in place), each over the
+    micro-batches ``batches``; delayed scaling's update after each step."""
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    got = []
+    for _ in range(steps):
+        opt.zero_grad()
+        for x in batches:
+            x = x.clone().requires_grad_(True)
+            out, _ = lin(x)
+            out.backward(go)
+            got += [out.detach(), x.grad]
+        got.append(lin.weight.grad.clone())
+        opt.step()
+        update_fp8_scaling([lin], None)
+    return got
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+@pytest.mark.parametrize("layer", [ColumnParallelLinear, RowParallelLinear])
+def test_weight_cache_is_bit_identical_and_refreshes_after_the_step(recipe, layer, monkeypatch):
+    """Each weight is quantized once per step (per GEMM role under rowwise), not per micro-batch and GEMM;
+    outputs and gradients equal the uncached path's bit for bit, across optimizer steps."""
+    from parallel3d.tensor_parallel.fp8 import WEIGHT, Fp8Scaling
+
+    torch.manual_seed(0)
+    batches = [torch.randn(6, 24) * (1 + m) for m in range(3)]
+    go = torch.randn(6, 40) * 1e-3
+    runs = {}
+    for cache in (True, False):
+        torch.manual_seed(1)
+        lin = layer(24, 40, fp8=Fp8Recipe(recipe=recipe), bias=False)
+        lin.fp8_scaling.cache_weights = cache
+        quantized = []
+        original = Fp8Scaling._operand
+
+        def counting(self, t, role, gemm, scales, out_dtype):
+            if role == WEIGHT:
+                quantized.append(gemm)
+            return original(self, t, role, gemm, scales, out_dtype)
+
+        monkeypatch.setattr(Fp8Scaling, "_operand", counting)
+        runs[cache] = _run_steps(lin, batches, go, steps=3), quantized
+        monkeypatch.setattr(Fp8Scaling, "_operand", original)
+    (cached, n_cached), (fresh, n_fresh) = runs[True], runs[False]
+    assert len(cached) == len(fresh)
+    for i, (a, b) in enumerate(zip(cached, fresh)):
+        assert torch.equal(a, b), f"tensor {i} differs"
+    assert len(n_fresh) == 3 * 3 * 2  # steps x micro-batches x (fprop, dgrad)
+    assert n_cached == (["fprop", "dgrad"] if recipe == "rowwise" else ["fprop"]) * 3  # once a step

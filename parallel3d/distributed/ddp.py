@@ -282,6 +282,8 @@ class DistributedDataParallel(nn.Module):
         for p in self.module.parameters():
             if p not in in_buffers:
                 dist.broadcast(p.data, src=src, group=self.dp_group)
+        # Written in place unseen by autograd: the version tells caches keyed on it (the FP8 weights).
+        torch.autograd.graph.increment_version(list(self.module.parameters()))
 
     # ------------------------------------------------------------------ module plumbing
     def forward(self, *args: Any, **kwargs: Any) -> Any:

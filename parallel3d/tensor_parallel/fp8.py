@@ -27,6 +27,16 @@ TP: a shard's amax is made the full tensor's (a MAX all-reduce over the TP group
 amax covers the split dimension, so TP=k quantizes exactly like TP=1. Sequence parallelism
 quantizes the gathered input. On CUDA the GEMMs are ``torch._scaled_mm`` through torchao; elsewhere
 torchao's emulation (dequantize, fp32 matmul), so the CPU tests run the same numerics.
+
+Weight cache (``Fp8Scaling.cache_weights``): a weight's FP8 operands (fprop's, and dgrad's in the
+column-major layout torch._scaled_mm takes) are kept until the weight changes, so the micro-batches of
+a step and the dgrad GEMMs reuse them. A weight changes only through an in-place write the cache sees:
+the key is the weight's storage address and ``_version`` (and, under delayed scaling, the scale
+buffer's ``_version``). Writes through ``.data`` or into a buffer the parameter is a view of bump no
+version: whoever writes so (the optimizers' copy of the updated weights, DDP's broadcast) calls
+``torch.autograd.graph.increment_version`` on the parameters. Every TP rank
+updates its weights with the same operations, so the ranks of a TP group miss the cache together and
+the amax all-reduce of a miss stays matched.
 """
 from __future__ import annotations
 
@@ -148,11 +158,14 @@ class Fp8Scaling(nn.Module):
     this step's amaxes until :func:`update_fp8_scaling`."""
 
     def __init__(self, recipe: Fp8Recipe, partition_dim: int, tp_group: Optional[dist.ProcessGroup],
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, cache_weights: bool = True) -> None:
         super().__init__()
         torchao_float8()  # a missing torchao is said when the layer is built, not at its first GEMM
         self.recipe, self.partition_dim, self.tp_group = recipe, partition_dim, tp_group
         self.emulate = recipe.emulate
+        # False: quantize the weight at every GEMM (the same numbers; for measuring the cache's worth).
+        self.cache_weights = cache_weights
+        self._weight_cache: dict[str, Any] = {}
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
             self.register_buffer("scale", torch.ones(3, device=device))
@@ -177,24 +190,33 @@ class Fp8Scaling(nn.Module):
         _, utils = torchao_float8()
         return utils.amax_to_scale(self._amax(t, role, axis), self.recipe.dtype(role))
 
-    def _record(self, t: torch.Tensor, role: int) -> None:
-        """Delayed scaling: this tensor's (local) amax joins the step's; TP and DP reduce at the update."""
-        self.amax_pending[role] = torch.maximum(self.amax_pending[role], t.detach().abs().amax().float())
+    def _record(self, t: torch.Tensor, role: int, amax: Optional[torch.Tensor] = None) -> None:
+        """Delayed scaling: this tensor's (local) amax (``amax`` where already known) joins the step's; TP
+        and DP reduce at the update."""
+        amax = t.detach().abs().amax().float() if amax is None else amax
+        self.amax_pending[role] = torch.maximum(self.amax_pending[role], amax)
 
     def _from_history(self) -> bool:
         return self.recipe.recipe == "delayed" and self.has_history
 
     # --- quantize + GEMM ----------------------------------------------------------------------------
+    def _emulated(self, t: torch.Tensor) -> bool:
+        return self.emulate if self.emulate is not None else t.device.type != "cuda"
+
     def _fp8(self, t2d: torch.Tensor, role: int, scale: torch.Tensor, axis: Optional[int],
              out_dtype: torch.dtype) -> torch.Tensor:
         """torchao's Float8TrainingTensor of ``t2d``; GEMMs on two of them run torch._scaled_mm (or emulate it)
         and return ``out_dtype`` (the first operand's)."""
-        tensor, utils = torchao_float8()
-        emulate = self.emulate if self.emulate is not None else t2d.device.type != "cuda"
-        config = tensor.ScaledMMConfig(emulate=emulate, use_fast_accum=False)
+        _, utils = torchao_float8()
+        data = utils.to_fp8_saturated(t2d.float() * scale, self.recipe.dtype(role))
+        return self._wrap(data, role, scale, axis, out_dtype)
+
+    def _wrap(self, data: torch.Tensor, role: int, scale: torch.Tensor, axis: Optional[int],
+              out_dtype: torch.dtype) -> torch.Tensor:
+        tensor, _ = torchao_float8()
+        config = tensor.ScaledMMConfig(emulate=self._emulated(data), use_fast_accum=False)
         mm_config = tensor.LinearMMConfig(output=config._replace(use_fast_accum=True), grad_input=config,
                                           grad_weight=config)  # torchao's defaults: fast accumulation in fprop
-        data = utils.to_fp8_saturated(t2d.float() * scale, self.recipe.dtype(role))
         gemm_role = (tensor.GemmInputRole.INPUT, tensor.GemmInputRole.WEIGHT, tensor.GemmInputRole.GRAD_OUTPUT)[role]
         axiswise_dim = None if axis is None else (-1 if axis == 1 else 0)
         return tensor.Float8TrainingTensor(data, scale, out_dtype, mm_config, gemm_role, axiswise_dim)
@@ -209,17 +231,53 @@ class Fp8Scaling(nn.Module):
         scale = scales[role] if scales is not None else self._current_scale(t2d, role, None)
         return self._fp8(t2d, role, scale, None, out_dtype), scale
 
+    def _weight_operand(self, weight: torch.Tensor, gemm: str, scales: Optional[torch.Tensor],
+                        out_dtype: torch.dtype) -> torch.Tensor:
+        """The weight's FP8 operand for ``gemm`` ("fprop" or "dgrad"), from the cache while the weight (and,
+        delayed, the scale) is unchanged. dgrad's is column-major on torch._scaled_mm (torchao would copy
+        the row-major one at every dgrad); tensorwise and delayed make it from fprop's (same scale, same
+        values), rowwise quantizes it along its own axis."""
+        if not self.cache_weights:
+            return self._operand(weight, WEIGHT, gemm, scales, out_dtype)[0]
+        delayed = self.recipe.recipe == "delayed"
+        key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.stride(), out_dtype,
+               (self.scale._version, self._from_history()) if delayed else None)
+        if self._weight_cache.get("key") != key:
+            # Holding the weight keeps its storage, so no other tensor takes its address while cached.
+            self._weight_cache = {"key": key, "weight": weight.detach()}
+        cache = self._weight_cache
+        if gemm in cache:
+            return cache[gemm]
+        derived = gemm == "dgrad" and "fprop" in cache and self.recipe.recipe != "rowwise"
+        op = cache["fprop"] if derived else self._operand(weight, WEIGHT, gemm, scales, out_dtype)[0]
+        if gemm == "dgrad" and not self._emulated(weight):
+            op = self._wrap(op._data.t().contiguous().t(), WEIGHT, op._scale,
+                            None if op._axiswise_dim is None else (1 if op._axiswise_dim == -1 else 0), out_dtype)
+        # A tensorwise/delayed dgrad not made from this weight's fprop used the saved ``scales``: not cached.
+        if gemm == "fprop" or derived or self.recipe.recipe == "rowwise":
+            cache[gemm] = op
+        return op
+
+    def _weight_amax(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
+        """Delayed scaling: the weight's local amax for the step's record, computed once per cached weight."""
+        if not self.cache_weights:
+            return None
+        if "amax" not in self._weight_cache:
+            self._weight_cache["amax"] = weight.detach().abs().amax().float()
+        return self._weight_cache["amax"]
+
     def fprop(self, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
               ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], bool]]:
         """(x @ weight^T + bias, what dgrad needs: the scales backward reuses and whether they came from
         the history). Delayed scaling records the amaxes of a training forward only: a module in eval
         mode (evaluation, generation) leaves the next step's scales alone."""
         scales = self.scale.clone() if self._from_history() else None  # backward uses this step's too
+        x8, x_scale = self._operand(x2d, INPUT, "fprop", scales, x2d.dtype)
+        w8 = self._weight_operand(weight, "fprop", scales, x2d.dtype)
+        w_scale = None if self.recipe.recipe == "rowwise" else w8._scale
         if self.recipe.recipe == "delayed" and self.training:
             self._record(x2d, INPUT)
-            self._record(weight, WEIGHT)
-        x8, x_scale = self._operand(x2d, INPUT, "fprop", scales, x2d.dtype)
-        w8, w_scale = self._operand(weight, WEIGHT, "fprop", scales, x2d.dtype)
+            self._record(weight, WEIGHT, self._weight_amax(weight))
         out = torch.mm(x8, w8.t()) if bias is None else torch.addmm(bias.to(x2d.dtype), x8, w8.t())
         if scales is None and self.recipe.recipe != "rowwise":  # current scales: grad_output's comes in dgrad
             scales = torch.stack([x_scale, w_scale, torch.zeros_like(x_scale)])
@@ -236,7 +294,7 @@ class Fp8Scaling(nn.Module):
             scales = scales.clone()
             scales[GRAD_OUTPUT] = self._current_scale(grad_output2d, GRAD_OUTPUT, None)
         g8, _ = self._operand(grad_output2d, GRAD_OUTPUT, "dgrad", scales, grad_output2d.dtype)
-        w8, _ = self._operand(weight, WEIGHT, "dgrad", scales, grad_output2d.dtype)
+        w8 = self._weight_operand(weight, "dgrad", scales, grad_output2d.dtype)
         return torch.mm(g8, w8), scales
 
     def wgrad(self, grad_output2d: torch.Tensor, x2d: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
