@@ -275,3 +275,39 @@ def test_weight_cache_is_bit_identical_and_refreshes_after_the_step(recipe, laye
         assert torch.equal(a, b), f"tensor {i} differs"
     assert len(n_fresh) == 3 * 3 * 2  # steps x micro-batches x (fprop, dgrad)
     assert n_cached == (["fprop", "dgrad"] if recipe == "rowwise" else ["fprop"]) * 3  # once a step
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lean_quantize_gives_torchaos_bits(dtype):
+    """amax by the infinity norm and the cast without an fp32 copy give the bits of torchao's
+    abs().amax() and to_fp8_saturated(t.float() * scale): saturation, inf, NaN, subnormals included."""
+    from parallel3d.tensor_parallel.fp8 import Fp8Scaling
+
+    torch.manual_seed(0)
+    t = torch.cat([torch.randn(64, 32) * 10.0 ** e for e in range(-6, 6, 2)]).to(dtype)
+    t[0, :4] = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0])
+    lean, plain = (Fp8Scaling(Fp8Recipe(recipe="rowwise"), 0, None, lean_quantize=on) for on in (True, False))
+    for axis in (None, 0, 1):
+        amax = lean._local_amax(t, axis)
+        assert torch.equal(amax, plain._local_amax(t, axis)) and amax.dtype == torch.float32
+        for fp8 in (E4M3, E5M2):
+            for scale in (torch.tensor(3.0e2), torch.tensor(7.3), (torch.finfo(fp8).max / amax.clamp(min=1e-12))):
+                a, b = lean._cast(t, scale, fp8), plain._cast(t, scale, fp8)
+                assert a.dtype == fp8 and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    t[1, 1] = float("nan")
+    assert lean._local_amax(t, None).isnan() and plain._local_amax(t, None).isnan()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_lean_quantize_trains_a_bf16_linear_bit_for_bit(recipe):
+    torch.manual_seed(0)
+    batches = [torch.randn(6, 24, dtype=torch.bfloat16) * (1 + m) for m in range(2)]
+    go = (torch.randn(6, 40) * 1e-3).to(torch.bfloat16)
+    runs = []
+    for lean in (True, False):
+        torch.manual_seed(1)
+        lin = ColumnParallelLinear(24, 40, fp8=Fp8Recipe(recipe=recipe), bias=True, params_dtype=torch.bfloat16)
+        lin.fp8_scaling.lean_quantize = lean
+        runs.append(_run_steps(lin, batches, go, steps=2))
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), f"tensor {i} differs"

@@ -158,13 +158,16 @@ class Fp8Scaling(nn.Module):
     this step's amaxes until :func:`update_fp8_scaling`."""
 
     def __init__(self, recipe: Fp8Recipe, partition_dim: int, tp_group: Optional[dist.ProcessGroup],
-                 device: Optional[torch.device] = None, cache_weights: bool = True) -> None:
+                 device: Optional[torch.device] = None, cache_weights: bool = True,
+                 lean_quantize: bool = True) -> None:
         super().__init__()
         torchao_float8()  # a missing torchao is said when the layer is built, not at its first GEMM
         self.recipe, self.partition_dim, self.tp_group = recipe, partition_dim, tp_group
         self.emulate = recipe.emulate
         # False: quantize the weight at every GEMM (the same numbers; for measuring the cache's worth).
         self.cache_weights = cache_weights
+        # False: amax and cast with torchao's unfused operations (the same numbers; for measuring).
+        self.lean_quantize = lean_quantize
         self._weight_cache: dict[str, Any] = {}
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
@@ -179,7 +182,7 @@ class Fp8Scaling(nn.Module):
     # --- scales -----------------------------------------------------------------------------------
     def _amax(self, t: torch.Tensor, role: int, axis: Optional[int]) -> torch.Tensor:
         """amax of ``t`` (whole, or over ``axis`` kept), made the full tensor's where TP splits what it covers."""
-        a = (t.abs().amax() if axis is None else t.abs().amax(dim=axis, keepdim=True)).float()
+        a = self._local_amax(t, axis)
         split = _SPLIT_DIM[self.partition_dim][role]
         if split is not None and (axis is None or axis == split) and group_rank_and_size(self.tp_group)[1] > 1:
             with tp_collective(f"FP8 amax all-reduce ({ROLES[role]})", self.tp_group):
@@ -193,7 +196,7 @@ class Fp8Scaling(nn.Module):
     def _record(self, t: torch.Tensor, role: int, amax: Optional[torch.Tensor] = None) -> None:
         """Delayed scaling: this tensor's (local) amax (``amax`` where already known) joins the step's; TP
         and DP reduce at the update."""
-        amax = t.detach().abs().amax().float() if amax is None else amax
+        amax = self._local_amax(t.detach(), None) if amax is None else amax
         self.amax_pending[role] = torch.maximum(self.amax_pending[role], amax)
 
     def _from_history(self) -> bool:
@@ -207,9 +210,32 @@ class Fp8Scaling(nn.Module):
              out_dtype: torch.dtype) -> torch.Tensor:
         """torchao's Float8TrainingTensor of ``t2d``; GEMMs on two of them run torch._scaled_mm (or emulate it)
         and return ``out_dtype`` (the first operand's)."""
-        _, utils = torchao_float8()
-        data = utils.to_fp8_saturated(t2d.float() * scale, self.recipe.dtype(role))
+        data = self._cast(t2d, scale, self.recipe.dtype(role))
         return self._wrap(data, role, scale, axis, out_dtype)
+
+    def _local_amax(self, t: torch.Tensor, axis: Optional[int]) -> torch.Tensor:
+        """max |t| (over ``axis``, kept) in fp32. Lean: the infinity norm, one pass that reads ``t`` once,
+        where abs() then amax() writes and reads a copy. A maximum involves no rounding, NaN and inf
+        propagate alike: the same value."""
+        if self.lean_quantize:
+            a = torch.linalg.vector_norm(t, ord=float("inf")) if axis is None else \
+                torch.linalg.vector_norm(t, ord=float("inf"), dim=axis, keepdim=True)
+        else:
+            a = t.abs().amax() if axis is None else t.abs().amax(dim=axis, keepdim=True)
+        return a.float()
+
+    def _cast(self, t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """fp8(clamp(t * scale, -fp8_max, fp8_max)), the product in fp32 (torchao's to_fp8_saturated of
+        t.float() * scale). Lean: no fp32 copy of ``t``. A 0-dim fp32 scale would not promote a bf16
+        ``t`` (the product would round to bf16); a 1-element one does, so the multiply reads ``t`` in
+        its dtype and computes in fp32, the same products; the clamp runs in place."""
+        if not self.lean_quantize:
+            return torchao_float8()[1].to_fp8_saturated(t.float() * scale, dtype)
+        x = t * (scale if scale.dim() else scale.reshape(1))
+        if x.dtype != torch.float32:  # t in fp64: as t.float() * scale would
+            x = t.float() * scale
+        fmax = torch.finfo(dtype).max
+        return x.clamp_(-fmax, fmax).to(dtype)
 
     def _wrap(self, data: torch.Tensor, role: int, scale: torch.Tensor, axis: Optional[int],
               out_dtype: torch.dtype) -> torch.Tensor:
@@ -263,7 +289,7 @@ class Fp8Scaling(nn.Module):
         if not self.cache_weights:
             return None
         if "amax" not in self._weight_cache:
-            self._weight_cache["amax"] = weight.detach().abs().amax().float()
+            self._weight_cache["amax"] = self._local_amax(weight.detach(), None)
         return self._weight_cache["amax"]
 
     def fprop(self, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
