@@ -93,7 +93,7 @@ FP8_RECIPES = {
 }
 
 # --fp8-disable NAME: the Fp8Scaling attribute that switches that speed-up (tensor_parallel/fp8.py).
-FP8_SPEEDUPS = {"weight-cache": "cache_weights", "lean-quantize": "lean_quantize"}
+FP8_SPEEDUPS = {"weight-cache": "cache_weights", "lean-quantize": "lean_quantize", "compile-cast": "compile_cast"}
 
 
 def disable_fp8_speedups(model, names) -> None:

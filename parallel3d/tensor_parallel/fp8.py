@@ -159,7 +159,7 @@ class Fp8Scaling(nn.Module):
 
     def __init__(self, recipe: Fp8Recipe, partition_dim: int, tp_group: Optional[dist.ProcessGroup],
                  device: Optional[torch.device] = None, cache_weights: bool = True,
-                 lean_quantize: bool = True) -> None:
+                 lean_quantize: bool = True, compile_cast: bool = True) -> None:
         super().__init__()
         torchao_float8()  # a missing torchao is said when the layer is built, not at its first GEMM
         self.recipe, self.partition_dim, self.tp_group = recipe, partition_dim, tp_group
@@ -168,6 +168,8 @@ class Fp8Scaling(nn.Module):
         self.cache_weights = cache_weights
         # False: amax and cast with torchao's unfused operations (the same numbers; for measuring).
         self.lean_quantize = lean_quantize
+        # False: on CUDA, the eager operations instead of one compiled kernel for the scale and the cast.
+        self.compile_cast = compile_cast
         self._weight_cache: dict[str, Any] = {}
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
@@ -190,8 +192,10 @@ class Fp8Scaling(nn.Module):
         return a
 
     def _current_scale(self, t: torch.Tensor, role: int, axis: Optional[int]) -> torch.Tensor:
-        _, utils = torchao_float8()
-        return utils.amax_to_scale(self._amax(t, role, axis), self.recipe.dtype(role))
+        amax_to_scale = torchao_float8()[1].amax_to_scale
+        if self.compile_cast and t.is_cuda:
+            amax_to_scale = compiled_on_cuda(amax_to_scale)
+        return amax_to_scale(self._amax(t, role, axis), self.recipe.dtype(role))
 
     def _record(self, t: torch.Tensor, role: int, amax: Optional[torch.Tensor] = None) -> None:
         """Delayed scaling: this tensor's (local) amax (``amax`` where already known) joins the step's; TP
@@ -229,6 +233,8 @@ class Fp8Scaling(nn.Module):
         t.float() * scale). Lean: no fp32 copy of ``t``. A 0-dim fp32 scale would not promote a bf16
         ``t`` (the product would round to bf16); a 1-element one does, so the multiply reads ``t`` in
         its dtype and computes in fp32, the same products; the clamp runs in place."""
+        if self.compile_cast and t.is_cuda:
+            return compiled_on_cuda(_saturated_cast)(t, scale, dtype)
         if not self.lean_quantize:
             return torchao_float8()[1].to_fp8_saturated(t.float() * scale, dtype)
         x = t * (scale if scale.dim() else scale.reshape(1))
@@ -342,6 +348,22 @@ class Fp8Scaling(nn.Module):
         self.scale.copy_(torch.where(keep, new, self.scale))
         self.amax_pending.zero_()
         self.has_history = True
+
+
+def _saturated_cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torchao's to_fp8_saturated(t.float() * scale, dtype), written out so that torch.compile traces
+    no import; compiled, one kernel."""
+    fmax = torch.finfo(dtype).max
+    return (t.float() * scale).clamp(min=-fmax, max=fmax).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_on_cuda(fn: Any) -> Any:
+    """``fn`` through torch.compile (one kernel for its pointwise operations; dynamic shapes, so the
+    micro-batch shapes share one graph). Used on CUDA tensors only: the CPU tests run the eager
+    operations, and tests/gpu/test_fp8_speedups.py checks the compiled bits equal the eager ones (both
+    round to nearest-even after the same fp32/fp64 arithmetic and clamp before the cast)."""
+    return torch.compile(fn, dynamic=True)
 
 
 def _history_loaded(module: Fp8Scaling, _incompatible_keys: Any) -> None:
