@@ -93,7 +93,8 @@ FP8_RECIPES = {
 }
 
 # --fp8-disable NAME: the Fp8Scaling attribute that switches that speed-up (tensor_parallel/fp8.py).
-FP8_SPEEDUPS = {"weight-cache": "cache_weights", "lean-quantize": "lean_quantize", "compile-cast": "compile_cast"}
+FP8_SPEEDUPS = {"weight-cache": "cache_weights", "lean-quantize": "lean_quantize", "compile-cast": "compile_cast",
+                "reuse-grad-output": "reuse_grad_output"}
 
 
 def disable_fp8_speedups(model, names) -> None:

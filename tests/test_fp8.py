@@ -298,16 +298,37 @@ def test_lean_quantize_gives_torchaos_bits(dtype):
     assert lean._local_amax(t, None).isnan() and plain._local_amax(t, None).isnan()
 
 
+@pytest.mark.parametrize("switch", ["lean_quantize", "reuse_grad_output"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
-def test_lean_quantize_trains_a_bf16_linear_bit_for_bit(recipe):
+def test_speedup_switch_trains_a_bf16_linear_bit_for_bit(recipe, switch):
+    """A speed-up (Fp8Scaling's switch) on or off: the same outputs and gradients, bit for bit."""
     torch.manual_seed(0)
     batches = [torch.randn(6, 24, dtype=torch.bfloat16) * (1 + m) for m in range(2)]
     go = (torch.randn(6, 40) * 1e-3).to(torch.bfloat16)
     runs = []
-    for lean in (True, False):
+    for on in (True, False):
         torch.manual_seed(1)
         lin = ColumnParallelLinear(24, 40, fp8=Fp8Recipe(recipe=recipe), bias=True, params_dtype=torch.bfloat16)
-        lin.fp8_scaling.lean_quantize = lean
+        setattr(lin.fp8_scaling, switch, on)
         runs.append(_run_steps(lin, batches, go, steps=2))
     for i, (a, b) in enumerate(zip(*runs)):
         assert torch.equal(a, b), f"tensor {i} differs"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_wgrad_takes_dgrads_fp8_grad_output(recipe, monkeypatch):
+    """Tensorwise and delayed quantize grad_output once per backward (dgrad's copy serves wgrad); rowwise
+    twice, its axes differ."""
+    from parallel3d.tensor_parallel.fp8 import GRAD_OUTPUT, Fp8Scaling
+
+    quantized = []
+    original = Fp8Scaling._operand
+
+    def counting(self, t, role, gemm, scales, out_dtype):
+        quantized.extend([gemm] if role == GRAD_OUTPUT else [])
+        return original(self, t, role, gemm, scales, out_dtype)
+
+    monkeypatch.setattr(Fp8Scaling, "_operand", counting)
+    lin = RowParallelLinear(24, 40, fp8=Fp8Recipe(recipe=recipe), bias=False)
+    lin(torch.randn(6, 24, requires_grad=True))[0].backward(torch.randn(6, 40))
+    assert quantized == (["dgrad", "wgrad"] if recipe == "rowwise" else ["dgrad"])

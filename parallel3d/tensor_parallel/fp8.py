@@ -159,7 +159,7 @@ class Fp8Scaling(nn.Module):
 
     def __init__(self, recipe: Fp8Recipe, partition_dim: int, tp_group: Optional[dist.ProcessGroup],
                  device: Optional[torch.device] = None, cache_weights: bool = True,
-                 lean_quantize: bool = True, compile_cast: bool = True) -> None:
+                 lean_quantize: bool = True, compile_cast: bool = True, reuse_grad_output: bool = True) -> None:
         super().__init__()
         torchao_float8()  # a missing torchao is said when the layer is built, not at its first GEMM
         self.recipe, self.partition_dim, self.tp_group = recipe, partition_dim, tp_group
@@ -170,6 +170,8 @@ class Fp8Scaling(nn.Module):
         self.lean_quantize = lean_quantize
         # False: on CUDA, the eager operations instead of one compiled kernel for the scale and the cast.
         self.compile_cast = compile_cast
+        # False: wgrad quantizes grad_output again instead of taking dgrad's FP8 copy (same scale, same bits).
+        self.reuse_grad_output = reuse_grad_output
         self._weight_cache: dict[str, Any] = {}
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
@@ -316,9 +318,11 @@ class Fp8Scaling(nn.Module):
         return out, (scales, self._from_history())
 
     def dgrad(self, grad_output2d: torch.Tensor, weight: torch.Tensor, saved: tuple[Optional[torch.Tensor], bool]
-              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(grad_output @ weight, the scales wgrad reuses: fprop's with grad_output's). ``saved``: what
-        fprop returned (its scales, and whether they came from the history)."""
+              ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
+        """(grad_output @ weight, what wgrad reuses: fprop's scales with grad_output's, and grad_output's
+        FP8 operand where wgrad quantizes it alike: tensorwise and delayed, one scale for the tensor;
+        a deferred (zero-bubble) wgrad holds it until W). ``saved``: what fprop returned (its scales, and
+        whether they came from the history)."""
         scales, from_history = saved
         if self.recipe.recipe == "delayed":
             self._record(grad_output2d, GRAD_OUTPUT)
@@ -327,11 +331,18 @@ class Fp8Scaling(nn.Module):
             scales[GRAD_OUTPUT] = self._current_scale(grad_output2d, GRAD_OUTPUT, None)
         g8, _ = self._operand(grad_output2d, GRAD_OUTPUT, "dgrad", scales, grad_output2d.dtype)
         w8 = self._weight_operand(weight, "dgrad", scales, grad_output2d.dtype)
-        return torch.mm(g8, w8), scales
+        reuse = self.reuse_grad_output and self.recipe.wgrad and self.recipe.recipe != "rowwise"
+        return torch.mm(g8, w8), (scales, g8 if reuse else None)
 
-    def wgrad(self, grad_output2d: torch.Tensor, x2d: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
-        """grad_output^T @ input in fp32 (added to main_grad or cast to the weight's dtype by the caller)."""
-        g8, _ = self._operand(grad_output2d, GRAD_OUTPUT, "wgrad", scales, torch.float32)
+    def wgrad(self, grad_output2d: torch.Tensor, x2d: torch.Tensor,
+              saved: tuple[Optional[torch.Tensor], Optional[torch.Tensor]]) -> torch.Tensor:
+        """grad_output^T @ input in fp32 (added to main_grad or cast to the weight's dtype by the caller).
+        ``saved``: what dgrad returned."""
+        scales, dgrad_g8 = saved
+        if dgrad_g8 is not None:  # the same bytes and scale; only the GEMM's output dtype differs
+            g8 = self._wrap(dgrad_g8._data, GRAD_OUTPUT, dgrad_g8._scale, None, torch.float32)
+        else:
+            g8, _ = self._operand(grad_output2d, GRAD_OUTPUT, "wgrad", scales, torch.float32)
         x8, _ = self._operand(x2d, INPUT, "wgrad", scales, torch.float32)
         return torch.mm(g8.t(), x8)
 

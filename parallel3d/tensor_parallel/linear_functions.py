@@ -106,7 +106,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if ctx.fp8 is None:
             grad_input = grad_output.matmul(weight)
         else:
-            grad_input, fp8_scales = ctx.fp8.dgrad(_2d(grad_output), weight, ctx.fp8_saved)
+            grad_input, fp8_saved = ctx.fp8.dgrad(_2d(grad_output), weight, ctx.fp8_saved)
             grad_input = grad_input.view(*grad_output.shape[:-1], grad_input.size(-1))
         if handle is not None:
             with tp_collective("all-gather of the sequence-parallel input", group):
@@ -128,7 +128,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_output_2d = _2d(grad_output)
         gemm = None
         if ctx.fp8 is not None and ctx.fp8.recipe.wgrad:  # else fp8_wgrad=False: the high-precision GEMM
-            gemm = functools.partial(ctx.fp8.wgrad, scales=fp8_scales)
+            gemm = functools.partial(ctx.fp8.wgrad, saved=fp8_saved)
         grad_weight = weight_gradient(weight, _2d(total_x), grad_output_2d, ctx.gradient_accumulation_fusion, gemm)
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
 

@@ -1,6 +1,7 @@
 """FP8's speed-ups (tensor_parallel/fp8.py, docs/fp8.md "Speed") give the same bits on the GPU as the
 path without them: torch._scaled_mm with the cached weight (dgrad's copy column-major), the compiled
-scale-and-cast kernel against the eager operations, the lean eager quantization.
+scale-and-cast kernel against the eager operations, the lean eager quantization, wgrad's reuse of
+dgrad's FP8 grad_output.
 
     python3 -m pytest -q -rs tests/gpu/test_fp8_speedups.py
 
@@ -26,7 +27,7 @@ def _why_not() -> str:
 
 WHY_NOT = _why_not()
 pytestmark = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT)
-SPEEDUPS = ("cache_weights", "lean_quantize", "compile_cast")  # Fp8Scaling's switches
+SPEEDUPS = ("cache_weights", "lean_quantize", "compile_cast", "reuse_grad_output")  # Fp8Scaling's switches
 
 
 def _train(recipe, fmt, layer_cls, off, steps=2, micro=3):
