@@ -94,7 +94,7 @@ FP8_RECIPES = {
 
 # --fp8-disable NAME: the Fp8Scaling attribute that switches that speed-up (tensor_parallel/fp8.py).
 FP8_SPEEDUPS = {"weight-cache": "cache_weights", "lean-quantize": "lean_quantize", "compile-cast": "compile_cast",
-                "reuse-grad-output": "reuse_grad_output"}
+                "reuse-grad-output": "reuse_grad_output", "merge-amax-reduce": "merge_amax_reduce"}
 
 
 def disable_fp8_speedups(model, names) -> None:

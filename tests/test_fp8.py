@@ -261,10 +261,10 @@ def test_weight_cache_is_bit_identical_and_refreshes_after_the_step(recipe, laye
         quantized = []
         original = Fp8Scaling._operand
 
-        def counting(self, t, role, gemm, scales, out_dtype):
+        def counting(self, t, role, gemm, *rest):
             if role == WEIGHT:
                 quantized.append(gemm)
-            return original(self, t, role, gemm, scales, out_dtype)
+            return original(self, t, role, gemm, *rest)
 
         monkeypatch.setattr(Fp8Scaling, "_operand", counting)
         runs[cache] = _run_steps(lin, batches, go, steps=3), quantized
@@ -324,11 +324,64 @@ def test_wgrad_takes_dgrads_fp8_grad_output(recipe, monkeypatch):
     quantized = []
     original = Fp8Scaling._operand
 
-    def counting(self, t, role, gemm, scales, out_dtype):
+    def counting(self, t, role, gemm, *rest):
         quantized.extend([gemm] if role == GRAD_OUTPUT else [])
-        return original(self, t, role, gemm, scales, out_dtype)
+        return original(self, t, role, gemm, *rest)
 
     monkeypatch.setattr(Fp8Scaling, "_operand", counting)
     lin = RowParallelLinear(24, 40, fp8=Fp8Recipe(recipe=recipe), bias=False)
     lin(torch.randn(6, 24, requires_grad=True))[0].backward(torch.randn(6, 40))
     assert quantized == (["dgrad", "wgrad"] if recipe == "rowwise" else ["dgrad"])
+
+
+def _merged_amax_reduce(rank, world_size):
+    """TP=2: per recipe, layer and weight cache, training with the amax all-reduces of a GEMM merged
+    against one per operand: (whether every tensor is equal, FP8 collectives merged, unmerged)."""
+    from contextlib import contextmanager
+
+    from parallel3d import parallel_state as ps
+    from parallel3d.tensor_parallel import fp8 as fp8_module
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    labels = []
+    original = fp8_module.tp_collective
+
+    @contextmanager
+    def counting(what, group):
+        labels.append(what)
+        with original(what, group):
+            yield
+
+    fp8_module.tp_collective = counting
+    out = {}
+    for recipe in ("tensorwise", "rowwise", "delayed"):
+        for layer, in_size in ((ColumnParallelLinear, 24), (RowParallelLinear, 12)):
+            for cache in (True, False):
+                runs, counts = [], []
+                for merge in (True, False):
+                    torch.manual_seed(1)
+                    lin = layer(24, 40, fp8=Fp8Recipe(recipe=recipe), bias=False)
+                    lin.fp8_scaling.cache_weights, lin.fp8_scaling.merge_amax_reduce = cache, merge
+                    torch.manual_seed(2 + rank)  # each rank its own input shard / gradient slice
+                    batches = [torch.randn(6, in_size) * (1 + m) for m in range(2)]
+                    go = torch.randn(6, lin.output_size_per_partition if layer is ColumnParallelLinear else 40)
+                    labels.clear()
+                    runs.append(_run_steps(lin, batches, go * 1e-3, steps=2))
+                    counts.append(len(labels))
+                same = all(torch.equal(a, b) for a, b in zip(*runs))
+                out[(recipe, layer.__name__, cache)] = (same, counts[0], counts[1])
+    fp8_module.tp_collective = original
+    return out
+
+
+def test_merged_amax_all_reduce_gives_the_same_numbers_with_fewer_collectives():
+    """Where a GEMM's two operands both need their TP-wide amax (a row-parallel fprop; rowwise's
+    column-parallel dgrad) one all-reduce carries both: the same maxima, fewer collectives."""
+    from parallel3d.testing import run_distributed
+
+    for result in run_distributed(_merged_amax_reduce, 2, timeout=120):
+        for (recipe, layer, cache), (same, merged, unmerged) in result.items():
+            where = f"{recipe} {layer} cache={cache}"
+            assert same, where
+            fewer = layer == "RowParallelLinear" or recipe == "rowwise"
+            assert (merged < unmerged) if fewer else (merged == unmerged), (where, merged, unmerged)

@@ -23,7 +23,7 @@ scales back out. Recipes (``--fp8-recipe``):
 - ``rowwise`` (torchao/torchtitan's axiswise scaling, a parallel3d name: Megatron has none): one
   scale per row of each GEMM operand, along the dimension the GEMM does not contract.
 
-TP: a shard's amax is made the full tensor's (a MAX all-reduce over the TP group) wherever the
+TP: a shard's amax is made the full tensor's (a MAX all-reduce over the TP group, one per GEMM) wherever the
 amax covers the split dimension, so TP=k quantizes exactly like TP=1. Sequence parallelism
 quantizes the gathered input. On CUDA the GEMMs are ``torch._scaled_mm`` through torchao; elsewhere
 torchao's emulation (dequantize, fp32 matmul), so the CPU tests run the same numerics.
@@ -159,7 +159,8 @@ class Fp8Scaling(nn.Module):
 
     def __init__(self, recipe: Fp8Recipe, partition_dim: int, tp_group: Optional[dist.ProcessGroup],
                  device: Optional[torch.device] = None, cache_weights: bool = True,
-                 lean_quantize: bool = True, compile_cast: bool = True, reuse_grad_output: bool = True) -> None:
+                 lean_quantize: bool = True, compile_cast: bool = True, reuse_grad_output: bool = True,
+                 merge_amax_reduce: bool = True) -> None:
         super().__init__()
         torchao_float8()  # a missing torchao is said when the layer is built, not at its first GEMM
         self.recipe, self.partition_dim, self.tp_group = recipe, partition_dim, tp_group
@@ -172,6 +173,8 @@ class Fp8Scaling(nn.Module):
         self.compile_cast = compile_cast
         # False: wgrad quantizes grad_output again instead of taking dgrad's FP8 copy (same scale, same bits).
         self.reuse_grad_output = reuse_grad_output
+        # False: one TP all-reduce per operand amax instead of one per GEMM (the same maxima).
+        self.merge_amax_reduce = merge_amax_reduce
         self._weight_cache: dict[str, Any] = {}
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
@@ -184,20 +187,29 @@ class Fp8Scaling(nn.Module):
         return f"{self.recipe.format}, {self.recipe.recipe}, partition_dim={self.partition_dim}"
 
     # --- scales -----------------------------------------------------------------------------------
-    def _amax(self, t: torch.Tensor, role: int, axis: Optional[int]) -> torch.Tensor:
-        """amax of ``t`` (whole, or over ``axis`` kept), made the full tensor's where TP splits what it covers."""
-        a = self._local_amax(t, axis)
-        split = _SPLIT_DIM[self.partition_dim][role]
-        if split is not None and (axis is None or axis == split) and group_rank_and_size(self.tp_group)[1] > 1:
-            with tp_collective(f"FP8 amax all-reduce ({ROLES[role]})", self.tp_group):
-                dist.all_reduce(a, op=dist.ReduceOp.MAX, group=self.tp_group)
-        return a
+    def _current_scales(self, items: list[tuple[torch.Tensor, int, Optional[int]]]) -> list[torch.Tensor]:
+        """The scales of one GEMM's operands ``items`` [(tensor, role, axis or None)] from their amaxes
+        (whole, or over ``axis`` kept), each made the full tensor's where TP splits what it covers: the
+        amaxes that need it go in one MAX all-reduce (an elementwise maximum: the same as one each)."""
+        amaxes = [self._local_amax(t, axis) for t, _, axis in items]
+        shared = [i for i, (_, role, axis) in enumerate(items)
+                  if _SPLIT_DIM[self.partition_dim][role] is not None
+                  and (axis is None or axis == _SPLIT_DIM[self.partition_dim][role])]
+        if shared and group_rank_and_size(self.tp_group)[1] > 1:
+            what = f"FP8 amax all-reduce ({', '.join(ROLES[items[i][1]] for i in shared)})"
+            flat = amaxes[shared[0]] if len(shared) == 1 else torch.cat([amaxes[i].reshape(-1) for i in shared])
+            with tp_collective(what, self.tp_group):
+                dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.tp_group)
+            if len(shared) > 1:
+                for i, part in zip(shared, flat.split([amaxes[i].numel() for i in shared])):
+                    amaxes[i] = part.view_as(amaxes[i])
+        amax_to_scale = torchao_float8()[1].amax_to_scale
+        if self.compile_cast and items[0][0].is_cuda:
+            amax_to_scale = compiled_on_cuda(amax_to_scale)
+        return [amax_to_scale(a, self.recipe.dtype(role)) for a, (_, role, _) in zip(amaxes, items)]
 
     def _current_scale(self, t: torch.Tensor, role: int, axis: Optional[int]) -> torch.Tensor:
-        amax_to_scale = torchao_float8()[1].amax_to_scale
-        if self.compile_cast and t.is_cuda:
-            amax_to_scale = compiled_on_cuda(amax_to_scale)
-        return amax_to_scale(self._amax(t, role, axis), self.recipe.dtype(role))
+        return self._current_scales([(t, role, axis)])[0]
 
     def _record(self, t: torch.Tensor, role: int, amax: Optional[torch.Tensor] = None) -> None:
         """Delayed scaling: this tensor's (local) amax (``amax`` where already known) joins the step's; TP
@@ -256,34 +268,62 @@ class Fp8Scaling(nn.Module):
         return tensor.Float8TrainingTensor(data, scale, out_dtype, mm_config, gemm_role, axiswise_dim)
 
     def _operand(self, t2d: torch.Tensor, role: int, gemm: str, scales: Optional[torch.Tensor],
-                 out_dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 out_dtype: torch.dtype, current: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(FP8 operand, its scale): delayed from ``scales``, tensorwise from ``scales`` when given (reused
-        from an earlier GEMM) else current, rowwise always current along the GEMM's axis."""
+        from an earlier GEMM) else current, rowwise always current along the GEMM's axis. ``current``:
+        the current scale where the caller computed it (with another operand's, one all-reduce)."""
         if self.recipe.recipe == "rowwise":
             axis = _ROWWISE_AXIS[gemm][role]
-            return self._fp8(t2d, role, self._current_scale(t2d, role, axis), axis, out_dtype), None
-        scale = scales[role] if scales is not None else self._current_scale(t2d, role, None)
+            scale = self._current_scale(t2d, role, axis) if current is None else current
+            return self._fp8(t2d, role, scale, axis, out_dtype), None
+        scale = scales[role] if scales is not None else self._current_scale(t2d, role, None) if current is None \
+            else current
         return self._fp8(t2d, role, scale, None, out_dtype), scale
 
-    def _weight_operand(self, weight: torch.Tensor, gemm: str, scales: Optional[torch.Tensor],
-                        out_dtype: torch.dtype) -> torch.Tensor:
-        """The weight's FP8 operand for ``gemm`` ("fprop" or "dgrad"), from the cache while the weight (and,
-        delayed, the scale) is unchanged. dgrad's is column-major on torch._scaled_mm (torchao would copy
-        the row-major one at every dgrad); tensorwise and delayed make it from fprop's (same scale, same
-        values), rowwise quantizes it along its own axis."""
-        if not self.cache_weights:
-            return self._operand(weight, WEIGHT, gemm, scales, out_dtype)[0]
+    def _axis(self, gemm: str, role: int) -> Optional[int]:
+        return _ROWWISE_AXIS[gemm][role] if self.recipe.recipe == "rowwise" else None
+
+    def _merged_scales(self, t2d: torch.Tensor, role: int, weight: torch.Tensor, gemm: str,
+                       out_dtype: torch.dtype) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(``t2d``'s, the weight's) current scales for ``gemm`` from one amax all-reduce, where both are
+        current and the weight is to be quantized now; else (None, None): each operand as it would alone."""
+        if not (self.merge_amax_reduce and self._weight_pending(weight, gemm, out_dtype)):
+            return None, None
+        both = self._current_scales([(t2d, role, self._axis(gemm, role)), (weight, WEIGHT, self._axis(gemm, WEIGHT))])
+        return both[0], both[1]
+
+    def _weight_entry(self, weight: torch.Tensor, out_dtype: torch.dtype) -> dict[str, Any]:
+        """The cache of this weight's FP8 operands, emptied where the weight (delayed: or its scale) changed."""
         delayed = self.recipe.recipe == "delayed"
         key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.stride(), out_dtype,
                (self.scale._version, self._from_history()) if delayed else None)
         if self._weight_cache.get("key") != key:
             # Holding the weight keeps its storage, so no other tensor takes its address while cached.
             self._weight_cache = {"key": key, "weight": weight.detach()}
-        cache = self._weight_cache
+        return self._weight_cache
+
+    def _weight_pending(self, weight: torch.Tensor, gemm: str, out_dtype: torch.dtype) -> bool:
+        """Whether :meth:`_weight_operand` quantizes the weight for ``gemm`` now (not cached, not made from
+        fprop's)."""
+        if not self.cache_weights:
+            return True
+        cache = self._weight_entry(weight, out_dtype)
+        return gemm not in cache and not (gemm == "dgrad" and "fprop" in cache and self.recipe.recipe != "rowwise")
+
+    def _weight_operand(self, weight: torch.Tensor, gemm: str, scales: Optional[torch.Tensor],
+                        out_dtype: torch.dtype, current: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The weight's FP8 operand for ``gemm`` ("fprop" or "dgrad"), from the cache while the weight (and,
+        delayed, the scale) is unchanged. dgrad's is column-major on torch._scaled_mm (torchao would copy
+        the row-major one at every dgrad); tensorwise and delayed make it from fprop's (same scale, same
+        values), rowwise quantizes it along its own axis. ``current``: as for :meth:`_operand`."""
+        if not self.cache_weights:
+            return self._operand(weight, WEIGHT, gemm, scales, out_dtype, current)[0]
+        cache = self._weight_entry(weight, out_dtype)
         if gemm in cache:
             return cache[gemm]
         derived = gemm == "dgrad" and "fprop" in cache and self.recipe.recipe != "rowwise"
-        op = cache["fprop"] if derived else self._operand(weight, WEIGHT, gemm, scales, out_dtype)[0]
+        op = cache["fprop"] if derived else self._operand(weight, WEIGHT, gemm, scales, out_dtype, current)[0]
         if gemm == "dgrad" and not self._emulated(weight):
             op = self._wrap(op._data.t().contiguous().t(), WEIGHT, op._scale,
                             None if op._axiswise_dim is None else (1 if op._axiswise_dim == -1 else 0), out_dtype)
@@ -306,8 +346,11 @@ class Fp8Scaling(nn.Module):
         the history). Delayed scaling records the amaxes of a training forward only: a module in eval
         mode (evaluation, generation) leaves the next step's scales alone."""
         scales = self.scale.clone() if self._from_history() else None  # backward uses this step's too
-        x8, x_scale = self._operand(x2d, INPUT, "fprop", scales, x2d.dtype)
-        w8 = self._weight_operand(weight, "fprop", scales, x2d.dtype)
+        x_now = w_now = None
+        if scales is None:  # current scales (rowwise: always)
+            x_now, w_now = self._merged_scales(x2d, INPUT, weight, "fprop", x2d.dtype)
+        x8, x_scale = self._operand(x2d, INPUT, "fprop", scales, x2d.dtype, x_now)
+        w8 = self._weight_operand(weight, "fprop", scales, x2d.dtype, w_now)
         w_scale = None if self.recipe.recipe == "rowwise" else w8._scale
         if self.recipe.recipe == "delayed" and self.training:
             self._record(x2d, INPUT)
@@ -329,8 +372,11 @@ class Fp8Scaling(nn.Module):
         if scales is not None and not from_history:
             scales = scales.clone()
             scales[GRAD_OUTPUT] = self._current_scale(grad_output2d, GRAD_OUTPUT, None)
-        g8, _ = self._operand(grad_output2d, GRAD_OUTPUT, "dgrad", scales, grad_output2d.dtype)
-        w8 = self._weight_operand(weight, "dgrad", scales, grad_output2d.dtype)
+        g_now = w_now = None
+        if self.recipe.recipe == "rowwise":  # tensorwise and delayed: the weight's scale is fprop's
+            g_now, w_now = self._merged_scales(grad_output2d, GRAD_OUTPUT, weight, "dgrad", grad_output2d.dtype)
+        g8, _ = self._operand(grad_output2d, GRAD_OUTPUT, "dgrad", scales, grad_output2d.dtype, g_now)
+        w8 = self._weight_operand(weight, "dgrad", scales, grad_output2d.dtype, w_now)
         reuse = self.reuse_grad_output and self.recipe.wgrad and self.recipe.recipe != "rowwise"
         return torch.mm(g8, w8), (scales, g8 if reuse else None)
 
