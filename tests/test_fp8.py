@@ -385,3 +385,15 @@ def test_merged_amax_all_reduce_gives_the_same_numbers_with_fewer_collectives():
             assert same, where
             fewer = layer == "RowParallelLinear" or recipe == "rowwise"
             assert (merged < unmerged) if fewer else (merged == unmerged), (where, merged, unmerged)
+
+
+def test_weights_made_in_inference_mode_are_quantized_afresh():
+    """An inference tensor has no version counter, so an in-place change could not be seen: not cached."""
+    with torch.inference_mode():
+        lin = ColumnParallelLinear(24, 40, fp8=Fp8Recipe(recipe="tensorwise"), bias=False)
+        x = torch.randn(6, 24)
+        before = lin(x)[0]
+        lin.weight.mul_(2.0)
+        after = lin(x)[0]
+    assert not lin.fp8_scaling._weight_cache
+    torch.testing.assert_close(after, 2 * before)

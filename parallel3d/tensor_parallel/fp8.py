@@ -303,10 +303,14 @@ class Fp8Scaling(nn.Module):
             self._weight_cache = {"key": key, "weight": weight.detach()}
         return self._weight_cache
 
+    def _caches(self, weight: torch.Tensor) -> bool:
+        """An inference-mode tensor has no version counter: it could change unseen, so it is not cached."""
+        return self.cache_weights and not weight.is_inference()
+
     def _weight_pending(self, weight: torch.Tensor, gemm: str, out_dtype: torch.dtype) -> bool:
         """Whether :meth:`_weight_operand` quantizes the weight for ``gemm`` now (not cached, not made from
         fprop's)."""
-        if not self.cache_weights:
+        if not self._caches(weight):
             return True
         cache = self._weight_entry(weight, out_dtype)
         return gemm not in cache and not (gemm == "dgrad" and "fprop" in cache and self.recipe.recipe != "rowwise")
@@ -317,7 +321,7 @@ class Fp8Scaling(nn.Module):
         delayed, the scale) is unchanged. dgrad's is column-major on torch._scaled_mm (torchao would copy
         the row-major one at every dgrad); tensorwise and delayed make it from fprop's (same scale, same
         values), rowwise quantizes it along its own axis. ``current``: as for :meth:`_operand`."""
-        if not self.cache_weights:
+        if not self._caches(weight):
             return self._operand(weight, WEIGHT, gemm, scales, out_dtype, current)[0]
         cache = self._weight_entry(weight, out_dtype)
         if gemm in cache:
@@ -333,8 +337,9 @@ class Fp8Scaling(nn.Module):
         return op
 
     def _weight_amax(self, weight: torch.Tensor) -> Optional[torch.Tensor]:
-        """Delayed scaling: the weight's local amax for the step's record, computed once per cached weight."""
-        if not self.cache_weights:
+        """Delayed scaling: the weight's local amax for the step's record, computed once per cached weight
+        (after :meth:`_weight_operand` of this forward)."""
+        if not self._caches(weight):
             return None
         if "amax" not in self._weight_cache:
             self._weight_cache["amax"] = self._local_amax(weight.detach(), None)
