@@ -224,7 +224,8 @@ class MegatronOptimizer:
         parameter buffer, which autograd does not see: bumping the parameters' versions tells caches keyed
         on them (the FP8 weight cache, tensor_parallel/fp8.py) that the weights changed."""
         self._copy_main_params_to_model_params()
-        torch.autograd.graph.increment_version([p for chunk in self.model_chunks for p in chunk.parameters()])
+        for p in (p for chunk in self.model_chunks for p in chunk.parameters()):
+            torch.autograd.graph.increment_version(p)  # one tensor a call: torch 2.3 takes no list
 
     def _grad_stats_groups(self) -> tuple:
         """Groups over which gradient statistics (norm, zeros) are summed."""
