@@ -1,4 +1,4 @@
-"""FP8 training (torchao's numerics, emulated on the CPU) in 3D layouts equals one process with the same
+"""FP8 training (torch._scaled_mm's numerics, emulated on the CPU) in 3D layouts equals one process with the same
 FP8 settings; delayed scaling's state resumes exactly; conversion exports the weights only.
 
 The sweep trains the harness's GPT (tests/gpt_harness.py) with fp32 parameters and FP8 GEMMs (the
@@ -30,7 +30,6 @@ import io
 import pytest
 import torch
 
-pytest.importorskip("torchao")
 
 from gpt_harness import full_weights, layout_args, shards_against, train  # noqa: E402
 from parallel3d import parallel_state as ps  # noqa: E402

@@ -36,7 +36,8 @@ def weight_gradient(weight: torch.Tensor, total_x_2d: torch.Tensor, grad_output_
 
     A zero-bubble B defers the GEMM to the schedule's W (the input gradient and its collective stay
     on the critical path). With ``fused`` and a DDP ``main_grad``, the GEMM accumulates into it.
-    ``gemm(grad_output_2d, total_x_2d)``: the FP8 GEMM (fp32 result) instead of matmul / the fused kernel."""
+    ``gemm(grad_output_2d, total_x_2d, out=None)``: the FP8 GEMM (fp32 result, or accumulated into ``out``)
+    instead of matmul / the fused kernel."""
     if wgrad_store.defer(weight, functools.partial(wgrad_store.add_weight_grad, weight, total_x_2d,
                                                    grad_output_2d, fused, gemm)):
         return None
@@ -45,7 +46,7 @@ def weight_gradient(weight: torch.Tensor, total_x_2d: torch.Tensor, grad_output_
             return gemm(grad_output_2d, total_x_2d).to(weight.dtype)
         return grad_output_2d.t().matmul(total_x_2d)
     if gemm is not None:
-        weight.main_grad.add_(gemm(grad_output_2d, total_x_2d))
+        gemm(grad_output_2d, total_x_2d, out=weight.main_grad)
     else:
         from parallel3d.fused import wgrad_accumulate
 
