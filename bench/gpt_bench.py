@@ -93,8 +93,7 @@ FP8_RECIPES = {
 }
 
 # --fp8-disable NAME: the Fp8Scaling attribute that switches that speed-up (tensor_parallel/fp8.py).
-FP8_SPEEDUPS = {"weight-cache": "cache_weights", "lean-quantize": "lean_quantize", "compile-cast": "compile_cast",
-                "reuse-grad-output": "reuse_grad_output", "merge-amax-reduce": "merge_amax_reduce"}
+FP8_SPEEDUPS = {"weight-cache": "cache_weights", "fused-cast": "fused_cast"}
 
 
 def disable_fp8_speedups(model, names) -> None:
