@@ -92,6 +92,18 @@ FP8_RECIPES = {
                 "--fp8-amax-compute-algo", "max"],
 }
 
+# --fp8-disable NAME: the Fp8Scaling attribute that switches that speed-up (tensor_parallel/fp8.py).
+FP8_SPEEDUPS = {"weight-cache": "cache_weights", "fused-cast": "fused_cast"}
+
+
+def disable_fp8_speedups(model, names) -> None:
+    """Set each named speed-up's attribute False on every FP8 linear of ``model`` (a list of chunks)."""
+    from parallel3d.tensor_parallel.fp8 import Fp8Scaling
+
+    for scaling in (m for chunk in model for m in chunk.modules() if isinstance(m, Fp8Scaling)):
+        for name in names:
+            setattr(scaling, FP8_SPEEDUPS[name], False)
+
 
 def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     """(bench options, the validated training arguments) for ``world`` ranks (default: torchrun's)."""
@@ -115,6 +127,9 @@ def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace,
     p.add_argument("--sm-carveout", type=int, default=None, help="SMs every cuBLAS GEMM leaves free "
                    "(torch._C._set_sm_carveout_experimental), so a collective beside it gets SMs at once")
     p.add_argument("--fp32", action="store_true", help="fp32 instead of bf16 (CPU smoke runs)")
+    p.add_argument("--fp8-disable", nargs="+", default=[], choices=sorted(FP8_SPEEDUPS),
+                   help="with --fp8-format: switch these speed-ups of tensor_parallel/fp8.py off (same numbers), "
+                   "to measure each against the run without it")
     p.add_argument("--json-out", default=None)
     bench, rest = p.parse_known_args(argv)
     argv = PRESETS[bench.preset] + [
@@ -194,6 +209,7 @@ def main(argv=None) -> None:
     config = gpt.transformer_config_from_args(args)
     partition = gpt.layer_partition(args, config)
     model = get_model(partial(gpt.model_provider, config, partition), training_config)
+    disable_fp8_speedups(model, bench.fp8_disable)
     optimizer = get_megatron_optimizer(training_config.optimizer, model)
     scheduler = get_optimizer_param_scheduler(optimizer, training_config)
     iterators = [synthetic_iterator(args) for _ in model]
@@ -228,6 +244,7 @@ def main(argv=None) -> None:
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None,
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if torch.cuda.is_available() else None,
         "sm_carveout": bench.sm_carveout, **fp8_settings(args),
+        "fp8_disabled": bench.fp8_disable,
     }
 
     if bench.schedule_timing and args.pipeline_model_parallel_size > 1:

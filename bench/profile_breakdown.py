@@ -97,9 +97,11 @@ def _top(prof, cls: str, n: int) -> dict[str, float]:
 
 
 def write_op_table(prof, path: str, rows: int = 45) -> None:
-    """The operators with the most GPU time, by name and input shapes (torch's key_averages table), to
-    ``path``: which call of the model launched a kernel that ``top_other_ms`` names."""
-    table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=rows,
-                                                                max_name_column_width=60, max_shapes_column_width=70)
+    """The operators with the most GPU time (torch's key_averages tables) to ``path``: by name (where the
+    step's time goes), then by name and input shapes (which call of the model launched a kernel that
+    ``top_other_ms`` names)."""
+    by_name = prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60)
+    by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=rows,
+                                                                   max_name_column_width=60, max_shapes_column_width=70)
     with open(path, "w") as f:
-        f.write(table)
+        f.write(by_name + "\n\n" + by_shape)

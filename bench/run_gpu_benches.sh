@@ -6,9 +6,11 @@
 #   LAYOUTS="1gpu pp4-1f1b pp4-zb-h2" bash bench/run_gpu_benches.sh layouts   (bench/layouts_bench.py)
 #   bash bench/run_gpu_benches.sh fp8              (bf16 and FP8 recipes against plain + compile and torchtitan
 #                                                   float8, one GPU per preset; FP8_PRESETS, FP8_GPUS presets at
-#                                                   once, FP8_BUDGET_S seconds in all)
+#                                                   once, FP8_BUDGET_S seconds in all; FP8_RECIPES; FP8_WITHOUT:
+#                                                   the first recipe without each named speed-up, gpt_bench.py
+#                                                   --fp8-disable)
 #   bash bench/run_gpu_benches.sh fp8-convergence  (one GPU: bench/fp8_convergence.py, FP8 against bf16)
-#   bash bench/run_gpu_benches.sh fp8-tests        (tests/gpu/test_fp8_parity.py: 1 GPU, and 2 where present)
+#   bash bench/run_gpu_benches.sh fp8-tests        (tests/gpu/test_fp8_speedups.py, test_fp8_parity.py: 1 GPU, and 2 where present)
 # PARALLEL3D_JIT=1 (set here) builds csrc/ once into ~/.cache; the GPT runs then use the kernels.
 # Needs .whl/ with the megatron-core wheel and the anchor scripts (see ../shared/anchors/README.md), and
 # .whl/titan/ for the torchtitan row of "single" (bench/fetch_titan_wheels.sh); .whl/torchao-*.whl for FP8.
@@ -43,9 +45,10 @@ for what in "$@"; do
                --cluster-file "$OUT/planner_cluster.json" --log-dir "$OUT/logs" --out "$OUT/validate_planner.md" ;;
     layouts) python3 bench/layouts_bench.py --runs ${LAYOUTS:-1gpu tp2-sp} --timeout 110 --out "$OUT" ;;
     fp8) python3 bench/single_gpu_bench.py --fp8 --presets ${FP8_PRESETS:-llama-3b llama-1b gpt-1.3b} \
+           ${FP8_RECIPES:+--recipes $FP8_RECIPES} ${FP8_WITHOUT:+--fp8-without $FP8_WITHOUT} \
            --gpus ${FP8_GPUS:-1} --budget-s $(( ${FP8_BUDGET_S:-510} - SECONDS )) ;;
     fp8-convergence) python3 bench/fp8_convergence.py --out "$OUT" ;;
-    fp8-tests) timeout 480 python3 -m pytest -q -rs tests/gpu/test_fp8_parity.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -n 40 ;;
+    fp8-tests) timeout 480 python3 -m pytest -q -rs tests/gpu/test_fp8_speedups.py tests/gpu/test_fp8_parity.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -n 40 ;;
     *) echo "unknown benchmark $what (fused-tests, single, ddp, pipeline, kernels, nccl, planner, layouts, fp8," \
             "fp8-convergence, fp8-tests)"; exit 2 ;;
   esac

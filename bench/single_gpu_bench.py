@@ -20,7 +20,9 @@ and, for the llama presets, torchtitan's float8 (tensorwise and rowwise, torch.c
 the peer of the same precision (torchtitan float8 of the same recipe; plain + compile for bf16). Each
 run is bounded by ``--timeout``; the whole suite by ``--budget-s``, after which the remaining runs are
 listed as skipped, in priority order (the runs the goals compare come first). Results (and each run's
-peer) go to OUT/fp8_bench.json after every run, the table to stdout at the end.
+peer) go to OUT/fp8_bench.json after every run, the table to stdout at the end. ``--fp8-without NAME ...``:
+after the first recipe's run, that recipe without each named speed-up (``gpt_bench.py --fp8-disable``),
+its "vs the peer" ratio taken to the run with all of them.
 """
 from __future__ import annotations
 
@@ -113,6 +115,9 @@ def fp8_runs(preset: str, a: argparse.Namespace) -> list[tuple[str, str, Optiona
     for i, recipe in enumerate(a.recipes):
         runs.append((f"parallel3d FP8 {recipe}", f"torchtitan float8 {recipe}", OURS, ours + FP8_RECIPES[recipe],
                      EAGER_TIMEOUT))
+        for name in a.fp8_without if i == 0 else ():  # each speed-up's worth: its "vs the peer" is the run with all
+            runs.append((f"parallel3d FP8 {recipe} without {name}", f"parallel3d FP8 {recipe}", OURS,
+                         ours + FP8_RECIPES[recipe] + ["--fp8-disable", name], EAGER_TIMEOUT))
         if llama and recipe in ("tensorwise", "rowwise"):  # torchao's recipes of those names
             runs.append((f"torchtitan float8 {recipe}", "", TITAN, titan + ["--float8", recipe], COMPILE_TIMEOUT))
         if i == 0:  # the bf16 peer after the first recipe's pair: each goal's comparison before the rest
@@ -198,6 +203,9 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=["llama-3b", "llama-1b", "gpt-1.3b"], help="--fp8: in this order")
     p.add_argument("--recipes", nargs="+", default=["tensorwise", "rowwise", "delayed"], help="--fp8: FP8 recipes")
     p.add_argument("--titan-bf16", action="store_true", help="--fp8: also torchtitan in bf16 (last of a preset)")
+    p.add_argument("--fp8-without", nargs="+", default=[], metavar="SPEEDUP",
+                   help="--fp8: after the first recipe's run, one run without each of these speed-ups "
+                   "(gpt_bench.FP8_SPEEDUPS: gpt_bench.py --fp8-disable), compared with it")
     p.add_argument("--gpus", type=int, default=1, help="--fp8: presets measured at once, each on its own GPU")
     p.add_argument("--budget-s", type=float, default=480.0, help="--fp8: seconds for the whole suite")
     p.add_argument("--min-run-s", type=float, default=40.0, help="--fp8: skip a run with less budget than this left")

@@ -67,7 +67,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WHEELS = os.path.join(ROOT, ".whl", "titan")
 STUBS = os.path.join(HERE, "titan_stubs")
-TORCHAO_WHEELS = os.path.join(ROOT, ".whl", "torchao-*.whl")  # the one parallel3d[fp8] uses on the GPU machine
+TORCHAO_WHEELS = os.path.join(ROOT, ".whl", "torchao-*.whl")  # torchtitan's float8 needs it on the GPU machine
 RESULT: dict[str, Any] = {}  # filled by TimedTrainer, printed after torchtitan's main() returns
 
 

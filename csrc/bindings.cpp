@@ -26,6 +26,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("wgrad_gemm_accum_fp32", &p3d::wgrad_gemm_accum_fp32, "main_grad += grad_output^T @ input",
         py::arg("input"), py::arg("grad_output"), py::arg("main_grad"));
+  m.def("wgrad_gemm_accum_fp8", &p3d::wgrad_gemm_accum_fp8, "main_grad += a @ b^T (FP8 operands, scales)",
+        py::arg("a"), py::arg("a_scale_inv"), py::arg("b"), py::arg("b_scale_inv"), py::arg("main_grad"));
+
+  m.def("fp8_cast", &p3d::fp8_cast, "FP8 operand cast, row and/or transposed layout, and its scales",
+        py::arg("x"), py::arg("s"), py::arg("mode"), py::arg("from_amax"), py::arg("e5m2"), py::arg("row"),
+        py::arg("col"));
 
   m.def("bias_gelu_fwd", &p3d::bias_gelu_fwd, py::arg("x"), py::arg("bias"), py::arg("approximate_tanh"));
   m.def("bias_gelu_bwd", &p3d::bias_gelu_bwd, py::arg("dy"), py::arg("x"), py::arg("bias"),

@@ -14,6 +14,9 @@ namespace p3d {
 // grad_accum.cu: main_grad[out, in] += grad_output[N, out]^T @ input[N, in] (fp32 C).
 void wgrad_gemm_accum_fp32(const at::Tensor& input, const at::Tensor& grad_output,
                            at::Tensor& main_grad);
+// grad_accum.cu, FP8: main_grad[out, in] += a[out, K] @ b[in, K]^T * a_scale_inv * b_scale_inv.
+void wgrad_gemm_accum_fp8(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
+                          const at::Tensor& b_scale_inv, at::Tensor& main_grad);
 
 // bias_gelu.cu
 at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
@@ -68,5 +71,10 @@ std::vector<at::Tensor> cross_entropy_fwd(const at::Tensor& x, const at::Tensor&
                                           double smoothing);
 at::Tensor cross_entropy_bwd(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse,
                              const at::Tensor& grad_loss, int64_t vocab, double smoothing);
+
+// fp8_cast.cu: x [M, N] -> {q [M, N] or undefined, q^T [N, M] or undefined, scale, 1 / scale};
+// s: the scale, or (from_amax) the amax, one value (mode 0), per row [M, 1] (1) or per column [1, N] (2).
+std::vector<at::Tensor> fp8_cast(const at::Tensor& x, const at::Tensor& s, int64_t mode, bool from_amax, bool e5m2,
+                                 bool row, bool col);
 
 }  // namespace p3d

@@ -1,15 +1,13 @@
 """The FP8 linear (parallel3d/tensor_parallel/fp8.py) against an explicit quantize-dequantize reference,
 delayed scaling's history and scales, and the refusals.
 
-The reference is written here from the definition, without torchao: q(t) = fp8(clamp(t * s)) with
+The reference is written here from the definition: q(t) = fp8(clamp(t * s)) with
 s = fp8_max / amax (per tensor, or per row along the GEMM's contracted dimension for rowwise), and
 a GEMM of dequantized operands q / s in fp32. The layer's emulated GEMMs do the same arithmetic, so
 they agree to fp32 rounding of the matmul (1e-6 relative here).
 """
 import pytest
 import torch
-
-pytest.importorskip("torchao")
 
 from parallel3d.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from parallel3d.tensor_parallel.fp8 import Fp8ConfigError, Fp8Recipe, is_fp8_state_key, update_fp8_scaling  # noqa: E402
@@ -223,3 +221,195 @@ def test_delayed_only_flags_warn_under_other_recipes(capsys):
         capsys.readouterr().err
     _validate(["--bf16", "--no-fp8-wgrad"])
     assert "--no-fp8-wgrad has no effect without --fp8-format" in capsys.readouterr().err
+
+
+def _run_steps(lin, batches, go, steps):
+    """(outputs, input grads, weight grads) of ``steps`` optimizer steps (SGD, in place), each over the
+    micro-batches ``batches``; delayed scaling's update after each step."""
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    got = []
+    for _ in range(steps):
+        opt.zero_grad()
+        for x in batches:
+            x = x.clone().requires_grad_(True)
+            out, _ = lin(x)
+            out.backward(go)
+            got += [out.detach(), x.grad]
+        got.append(lin.weight.grad.clone())
+        opt.step()
+        update_fp8_scaling([lin], None)
+    return got
+
+
+def _counting_quantize(monkeypatch, role):
+    """The layouts in which ``role`` gets quantized, in call order (Fp8Scaling._quantize wrapped)."""
+    from parallel3d.tensor_parallel.fp8 import Fp8Scaling
+
+    layouts = []
+    original = Fp8Scaling._quantize
+
+    def counting(self, t, r, layout, *rest, **kw):
+        layouts.extend([layout] if r == role else [])
+        return original(self, t, r, layout, *rest, **kw)
+
+    monkeypatch.setattr(Fp8Scaling, "_quantize", counting)
+    return layouts
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+@pytest.mark.parametrize("layer", [ColumnParallelLinear, RowParallelLinear])
+def test_weight_cache_is_bit_identical_and_refreshes_after_the_step(recipe, layer, monkeypatch):
+    """Each weight is quantized once per step (both layouts from one read; rowwise once per GEMM, its axes
+    differ), not per micro-batch and GEMM; outputs and gradients equal the uncached path's bit for bit,
+    across optimizer steps."""
+    from parallel3d.tensor_parallel.fp8 import WEIGHT
+
+    torch.manual_seed(0)
+    batches = [torch.randn(6, 24) * (1 + m) for m in range(3)]
+    go = torch.randn(6, 40) * 1e-3
+    runs = {}
+    for cache in (True, False):
+        torch.manual_seed(1)
+        lin = layer(24, 40, fp8=Fp8Recipe(recipe=recipe), bias=False)
+        lin.fp8_scaling.cache_weights = cache
+        with monkeypatch.context() as m:
+            quantized = _counting_quantize(m, WEIGHT)
+            runs[cache] = _run_steps(lin, batches, go, steps=3), quantized
+    (cached, n_cached), (fresh, n_fresh) = runs[True], runs[False]
+    assert len(cached) == len(fresh)
+    for i, (a, b) in enumerate(zip(cached, fresh)):
+        assert torch.equal(a, b), f"tensor {i} differs"
+    assert n_fresh == ["row", "col"] * 3 * 3  # steps x micro-batches x (fprop, dgrad)
+    assert n_cached == (["row", "col"] if recipe == "rowwise" else ["both"]) * 3  # once a step
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantization_gives_torchaos_bits(dtype):
+    """fp8_ops' amax, scale and cast (both layouts) give the bits of torchao's float8 (the well-kept
+    library whose numbers these are): tensor_to_amax, amax_to_scale and to_fp8_saturated; saturation, inf,
+    NaN, zeros and subnormals included."""
+    torchao_utils = pytest.importorskip("torchao.float8.float8_utils")
+    from parallel3d.fused.fp8_cast import amax_to_scale
+    from parallel3d.tensor_parallel.fp8_ops import local_amax, quantize
+
+    torch.manual_seed(0)
+    t = torch.cat([torch.randn(64, 32) * 10.0 ** e for e in range(-6, 6, 2)]).to(dtype)
+    t[0, :4] = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0])
+    for axis in (None, 0, 1):
+        amax = local_amax(t, axis)
+        want = t.abs().amax() if axis is None else t.abs().amax(dim=axis, keepdim=True)
+        assert torch.equal(amax, want.float()) and amax.dtype == torch.float32
+        for fp8 in (E4M3, E5M2):
+            scale = amax_to_scale(amax, fp8)
+            assert torch.equal(scale, torchao_utils.amax_to_scale(amax, fp8))
+            want = torchao_utils.to_fp8_saturated(t.float() * scale, fp8)
+            layout = "row" if axis != 0 else "col"
+            row, col = quantize(t, fp8, "both" if axis is None else layout, scale=scale)
+            got = row.data if row is not None else col.data.t()
+            assert got.dtype == fp8 and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            if axis is None:
+                assert torch.equal(col.data.t().view(torch.uint8), want.view(torch.uint8))
+                assert col.data.is_contiguous()
+    t[1, 1] = float("nan")
+    assert local_amax(t).isnan()
+
+
+def test_scaled_mm_equals_torchaos_emulated_gemm():
+    """The emulated GEMM of two operands equals torchao's Float8TrainingTensor mm (emulate=True) on the same
+    bytes and scales, tensorwise and rowwise."""
+    tt = pytest.importorskip("torchao.float8.float8_training_tensor")
+    from parallel3d.tensor_parallel.fp8_ops import local_amax, quantize, scaled_mm
+
+    torch.manual_seed(0)
+    x, w = torch.randn(12, 24), torch.randn(40, 24)
+    config = tt.ScaledMMConfig(emulate=True)
+    mm_config = tt.LinearMMConfig(config, config, config)
+    for axis in (None, 1):
+        x8, _ = quantize(x, E4M3, "row", amax=local_amax(x, axis))
+        w8, _ = quantize(w, E4M3, "row", amax=local_amax(w, axis))
+        got = scaled_mm(x8, w8, torch.float32, fast_accum=False, emulate=True)
+        dim = None if axis is None else -1
+        a = tt.Float8TrainingTensor(x8.data, x8.scale, torch.float32, mm_config, tt.GemmInputRole.INPUT, dim)
+        b = tt.Float8TrainingTensor(w8.data, w8.scale, torch.float32, mm_config, tt.GemmInputRole.WEIGHT, dim)
+        assert torch.equal(got, torch.mm(a, b.t())), axis
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_wgrad_takes_dgrads_fp8_grad_output(recipe, monkeypatch):
+    """Tensorwise and delayed quantize grad_output once per backward, both layouts from one read (dgrad's
+    and wgrad's operands); rowwise twice, its axes differ; without FP8 wgrad, dgrad's layout only."""
+    from parallel3d.tensor_parallel.fp8 import GRAD_OUTPUT
+
+    for wgrad in (True, False):
+        with monkeypatch.context() as m:
+            quantized = _counting_quantize(m, GRAD_OUTPUT)
+            lin = RowParallelLinear(24, 40, fp8=Fp8Recipe(recipe=recipe, wgrad=wgrad), bias=False)
+            lin(torch.randn(6, 24, requires_grad=True))[0].backward(torch.randn(6, 40))
+        want = ["row", "col"] if recipe == "rowwise" else ["both"]
+        assert quantized == (want if wgrad else want[:1] if recipe == "rowwise" else ["row"]), wgrad
+
+
+def _amax_reduces(rank, world_size):
+    """TP=2: per recipe, layer and weight cache, two steps' outputs and gradients and the FP8 collectives'
+    labels: (cached equals uncached, the labels of each)."""
+    from contextlib import contextmanager
+
+    from parallel3d import parallel_state as ps
+    from parallel3d.tensor_parallel import fp8 as fp8_module
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    labels = []
+    original = fp8_module.tp_collective
+
+    @contextmanager
+    def counting(what, group):
+        labels.append(what)
+        with original(what, group):
+            yield
+
+    fp8_module.tp_collective = counting
+    out = {}
+    for recipe in ("tensorwise", "rowwise", "delayed"):
+        for layer, in_size in ((ColumnParallelLinear, 24), (RowParallelLinear, 12)):
+            runs, seen = [], []
+            for cache in (True, False):
+                torch.manual_seed(1)
+                lin = layer(24, 40, fp8=Fp8Recipe(recipe=recipe), bias=False)
+                lin.fp8_scaling.cache_weights = cache
+                torch.manual_seed(2 + rank)  # each rank its own input shard / gradient slice
+                batches = [torch.randn(6, in_size) * (1 + m) for m in range(2)]
+                go = torch.randn(6, lin.output_size_per_partition if layer is ColumnParallelLinear else 40)
+                labels.clear()
+                runs.append(_run_steps(lin, batches, go * 1e-3, steps=1))
+                seen.append(list(labels))
+            out[(recipe, layer.__name__)] = (all(torch.equal(a, b) for a, b in zip(*runs)), seen[0], seen[1])
+    fp8_module.tp_collective = original
+    return out
+
+
+def test_tp_amax_all_reduces_one_per_gemm_at_most():
+    """Where a GEMM's two operands both need their TP-wide amax (a row-parallel fprop; rowwise's
+    column-parallel dgrad) one all-reduce carries both; the cached weight needs none after its first
+    GEMM of the step. Cached and uncached give the same numbers."""
+    from parallel3d.testing import run_distributed
+
+    for result in run_distributed(_amax_reduces, 2, timeout=120):
+        for (recipe, layer), (same, cached, fresh) in result.items():
+            where = f"{recipe} {layer}"
+            assert same, where
+            merged = [x for x in cached + fresh if "," in x]
+            assert merged if layer == "RowParallelLinear" or recipe == "rowwise" else not merged, (where, cached)
+            # two micro-batches: at most fprop and dgrad each carry one collective
+            assert len(cached) <= len(fresh) <= 4, (where, cached, fresh)
+
+
+def test_weights_made_in_inference_mode_are_quantized_afresh():
+    """An inference tensor has no version counter, so an in-place change could not be seen: not cached."""
+    with torch.inference_mode():
+        lin = ColumnParallelLinear(24, 40, fp8=Fp8Recipe(recipe="tensorwise"), bias=False)
+        x = torch.randn(6, 24)
+        before = lin(x)[0]
+        lin.weight.mul_(2.0)
+        after = lin(x)[0]
+    assert not lin.fp8_scaling._weight_cache
+    torch.testing.assert_close(after, 2 * before)

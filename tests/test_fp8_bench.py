@@ -65,3 +65,19 @@ def test_convergence_verdict_compares_the_last_interval_both_runs_logged():
     assert final["fp8 tensorwise"]["relative_difference"] == pytest.approx(0.015)
     assert not final["fp8 tensorwise"]["within_goal"]
     assert final["fp8 delayed"]["iteration"] == 50 and final["fp8 delayed"]["within_goal"]
+
+
+def test_fp8_without_runs_the_first_recipe_without_each_speedup():
+    """--fp8-without NAME: after the first recipe's run, that recipe with --fp8-disable NAME, compared
+    with the run with all speed-ups; each name is one gpt_bench knows."""
+    import argparse
+
+    a = argparse.Namespace(iters=2, warmup=1, cpu_smoke=False, recipes=["tensorwise", "rowwise"], titan_bf16=False,
+                           fp8_without=sorted(gpt_bench.FP8_SPEEDUPS))
+    runs = {label: (peer, args) for label, peer, _, args, _ in single_gpu_bench.fp8_runs("llama-3b", a)}
+    for name in gpt_bench.FP8_SPEEDUPS:
+        peer, args = runs[f"parallel3d FP8 tensorwise without {name}"]
+        assert peer == "parallel3d FP8 tensorwise" and args[-2:] == ["--fp8-disable", name]
+        bench, _ = gpt_bench.bench_args(args, world=1)
+        assert bench.fp8_disable == [name]
+    assert not any("rowwise without" in label for label in runs)

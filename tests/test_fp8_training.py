@@ -1,4 +1,4 @@
-"""FP8 training (torchao's numerics, emulated on the CPU) in 3D layouts equals one process with the same
+"""FP8 training (torch._scaled_mm's numerics, emulated on the CPU) in 3D layouts equals one process with the same
 FP8 settings; delayed scaling's state resumes exactly; conversion exports the weights only.
 
 The sweep trains the harness's GPT (tests/gpt_harness.py) with fp32 parameters and FP8 GEMMs (the
@@ -30,7 +30,6 @@ import io
 import pytest
 import torch
 
-pytest.importorskip("torchao")
 
 from gpt_harness import full_weights, layout_args, shards_against, train  # noqa: E402
 from parallel3d import parallel_state as ps  # noqa: E402
@@ -228,3 +227,25 @@ def test_the_training_log_names_the_fp8_recipe(monkeypatch):
     assert len(fp8_lines) == 1, lines
     assert fp8_lines[0].startswith("FP8 e4m3 (e4m3), recipe rowwise, wgrad in FP8; output layer and embeddings "
                                    "in high precision. Not yet faster than bf16"), fp8_lines
+
+
+@pytest.mark.parametrize("extra", [["--bf16"], ["--use-distributed-optimizer"]])
+def test_weight_cache_sees_the_optimizers_updates(extra, monkeypatch):
+    """The optimizers write the updated weights where autograd's version counter does not see it (bf16
+    parameters through ``.data``, ZeRO through the parameter buffer) and then bump the versions: training
+    with the FP8 weight cache equals training without it, bit for bit."""
+    from functools import partialmethod
+
+    from parallel3d.tensor_parallel.fp8 import Fp8Scaling
+
+    runs = []
+    for cache in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(Fp8Scaling, "__init__", partialmethod(Fp8Scaling.__init__, cache_weights=cache))
+            result = train(fp8_args("gpt2", "tensorwise", extra=SGD + extra))
+        assert all(s.cache_weights == cache for s in result["model"][0].modules() if isinstance(s, Fp8Scaling))
+        runs.append((result["losses"], full_weights(result)))
+    (losses, weights), (want_losses, want_weights) = runs
+    assert losses == want_losses
+    for name, w in want_weights.items():
+        assert torch.equal(weights[name], w), name

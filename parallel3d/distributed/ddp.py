@@ -282,6 +282,9 @@ class DistributedDataParallel(nn.Module):
         for p in self.module.parameters():
             if p not in in_buffers:
                 dist.broadcast(p.data, src=src, group=self.dp_group)
+        # Written in place unseen by autograd: the version tells caches keyed on it (the FP8 weights).
+        for p in self.module.parameters():
+            torch.autograd.graph.increment_version(p)  # one tensor a call: torch 2.3 takes no list
 
     # ------------------------------------------------------------------ module plumbing
     def forward(self, *args: Any, **kwargs: Any) -> Any:

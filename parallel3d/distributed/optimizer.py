@@ -219,6 +219,14 @@ class MegatronOptimizer:
     def _copy_main_params_to_model_params(self) -> None:
         raise NotImplementedError
 
+    def _publish_model_params(self) -> None:
+        """The updated masters into the model's parameters. The copies write through ``.data`` or the
+        parameter buffer, which autograd does not see: bumping the parameters' versions tells caches keyed
+        on them (the FP8 weight cache, tensor_parallel/fp8.py) that the weights changed."""
+        self._copy_main_params_to_model_params()
+        for p in (p for chunk in self.model_chunks for p in chunk.parameters()):
+            torch.autograd.graph.increment_version(p)  # one tensor a call: torch 2.3 takes no list
+
     def _grad_stats_groups(self) -> tuple:
         """Groups over which gradient statistics (norm, zeros) are summed."""
         raise NotImplementedError
@@ -288,7 +296,7 @@ class MegatronOptimizer:
             else None
         self.optimizer.step()
         self._release_main_grads()
-        self._copy_main_params_to_model_params()
+        self._publish_model_params()
         self.num_steps += 1
         return True, grad_norm, num_zeros
 
@@ -341,7 +349,7 @@ class MegatronOptimizer:
         if self.grad_scaler is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         self._load_named_state(state_dict["params"])
-        self._copy_main_params_to_model_params()
+        self._publish_model_params()
 
     def _saved_entry(self, params: dict, ci: int, name: str, shape: torch.Size) -> dict:
         try:

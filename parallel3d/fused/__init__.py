@@ -19,7 +19,7 @@ from parallel3d.fused.bias_dropout_add import bias_dropout_add, bias_dropout_add
 from parallel3d.fused.bias_gelu import bias_gelu, bias_gelu_reference
 from parallel3d.fused.bias_swiglu import bias_swiglu, bias_swiglu_reference
 from parallel3d.fused.cross_entropy import cross_entropy
-from parallel3d.fused.grad_accum import wgrad_accumulate
+from parallel3d.fused.grad_accum import wgrad_accumulate, wgrad_accumulate_fp8, wgrad_accumulate_fp8_reference
 from parallel3d.fused.layer_norm import layer_norm, layer_norm_reference
 from parallel3d.fused.rms_norm import rms_norm, rms_norm_reference
 from parallel3d.fused.rope import apply_rotary_pos_emb, apply_rotary_pos_emb_qk, apply_rotary_pos_emb_reference
@@ -46,4 +46,6 @@ __all__ = [
     "scaled_upper_triang_masked_softmax_reference",
     "set_fusion_enabled",
     "wgrad_accumulate",
+    "wgrad_accumulate_fp8",
+    "wgrad_accumulate_fp8_reference",
 ]

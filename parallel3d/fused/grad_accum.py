@@ -63,3 +63,30 @@ def wgrad_accumulate(input2d: torch.Tensor, grad_output2d: torch.Tensor, main_gr
         main_grad.add_(grad_output2d.t() @ input2d)
     else:
         main_grad.addmm_(grad_output2d.t().float(), input2d.float())
+
+
+def wgrad_accumulate_fp8_reference(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
+                                   b_scale_inv: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """``main_grad += (a @ b^T) * a_scale_inv * b_scale_inv`` in plain PyTorch (CUDA): the fp32 product of
+    torch._scaled_mm, then an add."""
+    main_grad.add_(torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv, out_dtype=torch.float32))
+
+
+@torch.no_grad()
+def wgrad_accumulate_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+                         main_grad: torch.Tensor) -> None:
+    """The FP8 weight gradient accumulated into main_grad: ``main_grad[out, in] += (a[out, K] @ b[in, K]^T) *
+    a_scale_inv * b_scale_inv`` for FP8 operands with one scale each (tensor_parallel/fp8.py's wgrad: K the
+    tokens, contiguous). With the CUDA extension one cuBLASLt GEMM with beta = 1 writes main_grad, as
+    :func:`wgrad_accumulate` does in bf16; without it, :func:`wgrad_accumulate_fp8_reference`."""
+    if a.dim() != 2 or b.dim() != 2 or a.size(1) != b.size(1):
+        raise ValueError(f"wgrad_accumulate_fp8: a [out, K] and b [in, K] must share K, got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    if tuple(main_grad.shape) != (a.size(0), b.size(0)) or main_grad.dtype != torch.float32:
+        raise ValueError(f"wgrad_accumulate_fp8: main_grad must be float32 [{a.size(0)}, {b.size(0)}], got "
+                         f"{main_grad.dtype} {tuple(main_grad.shape)}")
+    if _ext.use_kernel(main_grad, a, b) and main_grad.is_contiguous() and a.is_contiguous() and b.is_contiguous() \
+            and not (a.dtype == b.dtype == torch.float8_e5m2):
+        _ext.get_ext().wgrad_gemm_accum_fp8(a, a_scale_inv.float(), b, b_scale_inv.float(), main_grad)
+        return
+    wgrad_accumulate_fp8_reference(a, a_scale_inv, b, b_scale_inv, main_grad)

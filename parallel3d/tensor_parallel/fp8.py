@@ -1,4 +1,4 @@
-"""FP8 GEMMs of the tensor-parallel linears: Megatron's recipe fields, torchao's float8 primitives.
+"""FP8 GEMMs of the tensor-parallel linears: Megatron's recipe fields, which scales, which operands.
 
 A linear has three GEMMs, each on two quantized operands (roles, torchao's names):
 
@@ -23,16 +23,24 @@ scales back out. Recipes (``--fp8-recipe``):
 - ``rowwise`` (torchao/torchtitan's axiswise scaling, a parallel3d name: Megatron has none): one
   scale per row of each GEMM operand, along the dimension the GEMM does not contract.
 
-TP: a shard's amax is made the full tensor's (a MAX all-reduce over the TP group) wherever the
+TP: a shard's amax is made the full tensor's (a MAX all-reduce over the TP group, one per GEMM) wherever the
 amax covers the split dimension, so TP=k quantizes exactly like TP=1. Sequence parallelism
-quantizes the gathered input. On CUDA the GEMMs are ``torch._scaled_mm`` through torchao; elsewhere
-torchao's emulation (dequantize, fp32 matmul), so the CPU tests run the same numerics.
+quantizes the gathered input. The quantization and the GEMM (``torch._scaled_mm`` on CUDA; elsewhere
+an emulation, dequantize and fp32 matmul, so the CPU tests run the same numerics) are fp8_ops.py's.
+
+Weight cache (``Fp8Scaling.cache_weights``): a weight's FP8 operands (fprop's, and dgrad's: the
+transpose, from the same read) are kept until the weight changes, so the micro-batches of a step and the
+dgrad GEMMs reuse them. A weight changes only through an in-place write the cache sees:
+the key is the weight's storage address and ``_version`` (and, under delayed scaling, the scale
+buffer's ``_version``). Writes through ``.data`` or into a buffer the parameter is a view of bump no
+version: whoever writes so (the optimizers' copy of the updated weights, DDP's broadcast) calls
+``torch.autograd.graph.increment_version`` on the parameters. Every TP rank
+updates its weights with the same operations, so the ranks of a TP group miss the cache together and
+the amax all-reduce of a miss stays matched.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 from typing import Any, Iterable, Optional
 
 import torch
@@ -40,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..collectives import all_reduce_over
+from .fp8_ops import Fp8Operand, local_amax, quantize, scaled_mm, scaled_mm_accumulate
 from .utils import group_rank_and_size, tp_collective
 
 FORMATS = ("e4m3", "hybrid")
@@ -59,23 +68,6 @@ STATE_MODULE = "fp8_scaling"
 
 class Fp8ConfigError(ValueError):
     pass
-
-
-@functools.lru_cache(maxsize=1)
-def torchao_float8() -> Any:
-    """torchao's float8 modules, imported on first use; a clear error without the fp8 extra."""
-    level = logging.getLogger("torchao").level
-    if not torch.cuda.is_available():  # its CUDA-only extensions cannot load on a CPU build: not a problem here
-        logging.getLogger("torchao").setLevel(logging.ERROR)
-    try:
-        from torchao.float8 import float8_training_tensor as tensor
-        from torchao.float8 import float8_utils as utils
-    except ImportError as e:
-        raise ImportError(f"FP8 training (--fp8-format) needs torchao: pip install 'parallel3d[fp8]' "
-                          f"(torchao 0.18 for torch 2.11+); import failed: {e}") from None
-    finally:
-        logging.getLogger("torchao").setLevel(level)
-    return tensor, utils
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,18 +118,18 @@ class Fp8Recipe:
             text += (f" (amax history {self.amax_history_len}, {self.amax_compute_algo}, margin {self.margin}, "
                      "updated once per step)")
         text += ", wgrad in FP8" if self.wgrad else ", wgrad in high precision"
-        # Said where the user reads it: this path is correct but measured slower than bf16 so far.
-        return text + ("; output layer and embeddings in high precision. Not yet faster than bf16: see "
-                       "BENCHMARKS.md, 'FP8 on one H100'")
+        # Said where the user reads it: this path is correct but measured slower than our bf16 so far.
+        return text + ("; output layer and embeddings in high precision. Not yet faster than bf16 (faster than "
+                       "torchtitan's float8): see BENCHMARKS.md, 'FP8 on one H100'")
 
 
 # Which dimension of each 2D operand is split over TP: [partition_dim][role]. A column-parallel
 # linear (weight split along its output, dim 0) sees the whole input and a slice of the output's
 # gradient; a row-parallel one (weight split along its input, dim 1) a slice of the input.
 _SPLIT_DIM = {0: (None, 0, 1), 1: (1, 1, None)}
-# rowwise: the dimension each operand's amax runs over (the GEMM's contracted one), per GEMM.
-_ROWWISE_AXIS = {"fprop": {INPUT: 1, WEIGHT: 1}, "dgrad": {GRAD_OUTPUT: 1, WEIGHT: 0},
-                 "wgrad": {GRAD_OUTPUT: 0, INPUT: 0}}
+# The dimension each GEMM contracts of each operand (fprop x @ w^T, dgrad g @ w, wgrad g^T @ x): the
+# operand's layout ("row": dim 1, "col": dim 0), and the axis of a rowwise amax.
+_CONTRACT = {"fprop": {INPUT: 1, WEIGHT: 1}, "dgrad": {GRAD_OUTPUT: 1, WEIGHT: 0}, "wgrad": {GRAD_OUTPUT: 0, INPUT: 0}}
 
 
 class Fp8Scaling(nn.Module):
@@ -148,11 +140,15 @@ class Fp8Scaling(nn.Module):
     this step's amaxes until :func:`update_fp8_scaling`."""
 
     def __init__(self, recipe: Fp8Recipe, partition_dim: int, tp_group: Optional[dist.ProcessGroup],
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, cache_weights: bool = True, fused_cast: bool = True) -> None:
         super().__init__()
-        torchao_float8()  # a missing torchao is said when the layer is built, not at its first GEMM
         self.recipe, self.partition_dim, self.tp_group = recipe, partition_dim, tp_group
         self.emulate = recipe.emulate
+        # False: quantize the weight at every GEMM (the same numbers; for measuring the cache's worth).
+        self.cache_weights = cache_weights
+        # False: on CUDA, the eager operations instead of the one-launch cast kernel (the same bytes).
+        self.fused_cast = fused_cast
+        self._weight_cache: dict[str, Any] = {}
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
             self.register_buffer("scale", torch.ones(3, device=device))
@@ -163,87 +159,161 @@ class Fp8Scaling(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.recipe.format}, {self.recipe.recipe}, partition_dim={self.partition_dim}"
 
-    # --- scales -----------------------------------------------------------------------------------
-    def _amax(self, t: torch.Tensor, role: int, axis: Optional[int]) -> torch.Tensor:
-        """amax of ``t`` (whole, or over ``axis`` kept), made the full tensor's where TP splits what it covers."""
-        a = (t.abs().amax() if axis is None else t.abs().amax(dim=axis, keepdim=True)).float()
-        split = _SPLIT_DIM[self.partition_dim][role]
-        if split is not None and (axis is None or axis == split) and group_rank_and_size(self.tp_group)[1] > 1:
-            with tp_collective(f"FP8 amax all-reduce ({ROLES[role]})", self.tp_group):
-                dist.all_reduce(a, op=dist.ReduceOp.MAX, group=self.tp_group)
-        return a
-
-    def _current_scale(self, t: torch.Tensor, role: int, axis: Optional[int]) -> torch.Tensor:
-        _, utils = torchao_float8()
-        return utils.amax_to_scale(self._amax(t, role, axis), self.recipe.dtype(role))
-
-    def _record(self, t: torch.Tensor, role: int) -> None:
-        """Delayed scaling: this tensor's (local) amax joins the step's; TP and DP reduce at the update."""
-        self.amax_pending[role] = torch.maximum(self.amax_pending[role], t.detach().abs().amax().float())
+    def _emulated(self, t: torch.Tensor) -> bool:
+        return self.emulate if self.emulate is not None else t.device.type != "cuda"
 
     def _from_history(self) -> bool:
         return self.recipe.recipe == "delayed" and self.has_history
 
-    # --- quantize + GEMM ----------------------------------------------------------------------------
-    def _fp8(self, t2d: torch.Tensor, role: int, scale: torch.Tensor, axis: Optional[int],
-             out_dtype: torch.dtype) -> torch.Tensor:
-        """torchao's Float8TrainingTensor of ``t2d``; GEMMs on two of them run torch._scaled_mm (or emulate it)
-        and return ``out_dtype`` (the first operand's)."""
-        tensor, utils = torchao_float8()
-        emulate = self.emulate if self.emulate is not None else t2d.device.type != "cuda"
-        config = tensor.ScaledMMConfig(emulate=emulate, use_fast_accum=False)
-        mm_config = tensor.LinearMMConfig(output=config._replace(use_fast_accum=True), grad_input=config,
-                                          grad_weight=config)  # torchao's defaults: fast accumulation in fprop
-        data = utils.to_fp8_saturated(t2d.float() * scale, self.recipe.dtype(role))
-        gemm_role = (tensor.GemmInputRole.INPUT, tensor.GemmInputRole.WEIGHT, tensor.GemmInputRole.GRAD_OUTPUT)[role]
-        axiswise_dim = None if axis is None else (-1 if axis == 1 else 0)
-        return tensor.Float8TrainingTensor(data, scale, out_dtype, mm_config, gemm_role, axiswise_dim)
+    def _rowwise(self) -> bool:
+        return self.recipe.recipe == "rowwise"
 
-    def _operand(self, t2d: torch.Tensor, role: int, gemm: str, scales: Optional[torch.Tensor],
-                 out_dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(FP8 operand, its scale): delayed from ``scales``, tensorwise from ``scales`` when given (reused
-        from an earlier GEMM) else current, rowwise always current along the GEMM's axis."""
-        if self.recipe.recipe == "rowwise":
-            axis = _ROWWISE_AXIS[gemm][role]
-            return self._fp8(t2d, role, self._current_scale(t2d, role, axis), axis, out_dtype), None
-        scale = scales[role] if scales is not None else self._current_scale(t2d, role, None)
-        return self._fp8(t2d, role, scale, None, out_dtype), scale
+    # --- amaxes and quantization ----------------------------------------------------------------------
+    def _amaxes(self, items: list[tuple[torch.Tensor, int, str]]) -> list[torch.Tensor]:
+        """The amaxes of one GEMM's operands ``items`` [(tensor, role, gemm)]: whole, or rowwise along the
+        GEMM's contracted dimension; each the full tensor's where TP splits what it covers. Those that
+        need it share one MAX all-reduce (an elementwise maximum: the same as one each)."""
+        axes = [_CONTRACT[gemm][role] if self._rowwise() else None for _, role, gemm in items]
+        amaxes = [local_amax(t, axis) for (t, _, _), axis in zip(items, axes)]
+        shared = [i for i, ((_, role, _), axis) in enumerate(zip(items, axes))
+                  if _SPLIT_DIM[self.partition_dim][role] is not None
+                  and (axis is None or axis == _SPLIT_DIM[self.partition_dim][role])]
+        if shared and group_rank_and_size(self.tp_group)[1] > 1:
+            what = f"FP8 amax all-reduce ({', '.join(ROLES[items[i][1]] for i in shared)})"
+            flat = amaxes[shared[0]] if len(shared) == 1 else torch.cat([amaxes[i].reshape(-1) for i in shared])
+            with tp_collective(what, self.tp_group):
+                dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.tp_group)
+            if len(shared) > 1:
+                for i, part in zip(shared, flat.split([amaxes[i].numel() for i in shared])):
+                    amaxes[i] = part.view_as(amaxes[i])
+        return amaxes
 
+    def _quantize(self, t: torch.Tensor, role: int, layout: str, scale: Optional[torch.Tensor] = None,
+                  amax: Optional[torch.Tensor] = None) -> tuple[Optional[Fp8Operand], Optional[Fp8Operand]]:
+        """``t`` quantized for ``role`` (its FP8 dtype) in ``layout``, from ``scale`` or ``amax``."""
+        return quantize(t, self.recipe.dtype(role), layout, scale=scale, amax=amax, fused=self.fused_cast)
+
+    def _record(self, t: torch.Tensor, role: int, amax: Optional[torch.Tensor] = None) -> None:
+        """Delayed scaling: this tensor's (local) amax (``amax`` where already known) joins the step's; TP
+        and DP reduce at the update."""
+        amax = local_amax(t.detach()) if amax is None else amax
+        self.amax_pending[role] = torch.maximum(self.amax_pending[role], amax)
+
+    def _mm(self, a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype, fast_accum: bool = False,
+            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # Fast accumulation in fprop only, as torchao's and Transformer Engine's defaults.
+        return scaled_mm(a, b, out_dtype, fast_accum=fast_accum, emulate=self._emulated(a.data), bias=bias)
+
+    # --- the weight's operands, cached until it changes ------------------------------------------------
+    def _caches(self, weight: torch.Tensor) -> bool:
+        """An inference-mode tensor has no version counter: it could change unseen, so it is not cached."""
+        return self.cache_weights and not weight.is_inference()
+
+    def _weight_entry(self, weight: torch.Tensor) -> dict[str, Any]:
+        """The cache of this weight's FP8 operands, emptied where the weight (delayed: or its scale) changed."""
+        if not self._caches(weight):
+            self._weight_cache = {}
+            return {}  # this call's only
+        delayed = self.recipe.recipe == "delayed"
+        key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.stride(),
+               (self.scale._version, self._from_history()) if delayed else None)
+        if self._weight_cache.get("key") != key:
+            # Holding the weight keeps its storage, so no other tensor takes its address while cached.
+            self._weight_cache = {"key": key, "weight": weight.detach()}
+        return self._weight_cache
+
+    def _weight_operands(self, weight: torch.Tensor, gemm: str, scale: Optional[torch.Tensor],
+                         other: Optional[tuple[torch.Tensor, int]] = None
+                         ) -> tuple[Fp8Operand, Optional[torch.Tensor]]:
+        """(the weight's operand for ``gemm``, ``other``'s amax or None). Tensor-scaled, fprop quantizes
+        both layouts from one read (dgrad's is the transpose, same scale); rowwise, each GEMM its own axis.
+        ``scale``: delayed's from the history (None: current). ``other`` = (tensor, role): the GEMM's other
+        operand needing a current amax, all-reduced with the weight's where both need it."""
+        cache = self._weight_entry(weight)
+        if gemm in cache:
+            return cache[gemm], None
+        other_amax = None
+        if scale is None:
+            items = [(weight, WEIGHT, gemm)] + ([(other[0], other[1], gemm)] if other is not None else [])
+            amax, *rest = self._amaxes(items)
+            other_amax = rest[0] if rest else None
+            if self.recipe.recipe == "delayed":
+                cache["amax"] = local_amax(weight.detach())  # the record takes the local amax
+        layout = ("row" if gemm == "fprop" else "col") if self._rowwise() or not self._caches(weight) else "both"
+        row, col = self._quantize(weight, WEIGHT, layout, scale=scale, amax=None if scale is not None else amax)
+        cache.update({"fprop": row} if row is not None else {})
+        cache.update({"dgrad": col} if col is not None else {})
+        return (row if gemm == "fprop" else col), other_amax
+
+    def _weight_amax(self, weight: torch.Tensor) -> torch.Tensor:
+        """Delayed scaling: the weight's local amax for the step's record, once per cached weight."""
+        cache = self._weight_entry(weight)
+        if "amax" not in cache:
+            cache["amax"] = local_amax(weight.detach())
+        return cache["amax"]
+
+    # --- the three GEMMs ------------------------------------------------------------------------------
     def fprop(self, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
               ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], bool]]:
         """(x @ weight^T + bias, what dgrad needs: the scales backward reuses and whether they came from
         the history). Delayed scaling records the amaxes of a training forward only: a module in eval
         mode (evaluation, generation) leaves the next step's scales alone."""
         scales = self.scale.clone() if self._from_history() else None  # backward uses this step's too
+        if scales is not None:
+            w8, _ = self._weight_operands(weight, "fprop", scales[WEIGHT])
+            x8, _ = self._quantize(x2d, INPUT, "row", scale=scales[INPUT])
+        else:  # current scales: one all-reduce for both amaxes where the weight is quantized now
+            w8, x_amax = self._weight_operands(weight, "fprop", None, (x2d, INPUT))
+            x_amax = self._amaxes([(x2d, INPUT, "fprop")])[0] if x_amax is None else x_amax
+            x8, _ = self._quantize(x2d, INPUT, "row", amax=x_amax)
         if self.recipe.recipe == "delayed" and self.training:
             self._record(x2d, INPUT)
-            self._record(weight, WEIGHT)
-        x8, x_scale = self._operand(x2d, INPUT, "fprop", scales, x2d.dtype)
-        w8, w_scale = self._operand(weight, WEIGHT, "fprop", scales, x2d.dtype)
-        out = torch.mm(x8, w8.t()) if bias is None else torch.addmm(bias.to(x2d.dtype), x8, w8.t())
-        if scales is None and self.recipe.recipe != "rowwise":  # current scales: grad_output's comes in dgrad
-            scales = torch.stack([x_scale, w_scale, torch.zeros_like(x_scale)])
+            self._record(weight, WEIGHT, self._weight_amax(weight))
+        out = self._mm(x8, w8, x2d.dtype, fast_accum=True, bias=None if bias is None else bias.to(x2d.dtype))
+        if scales is None and not self._rowwise():  # current scales: grad_output's comes in dgrad
+            scales = torch.stack([x8.scale.reshape(()), w8.scale.reshape(()), torch.zeros_like(x8.scale.reshape(()))])
         return out, (scales, self._from_history())
 
     def dgrad(self, grad_output2d: torch.Tensor, weight: torch.Tensor, saved: tuple[Optional[torch.Tensor], bool]
-              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(grad_output @ weight, the scales wgrad reuses: fprop's with grad_output's). ``saved``: what
-        fprop returned (its scales, and whether they came from the history)."""
+              ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], Optional[Fp8Operand]]]:
+        """(grad_output @ weight, what wgrad takes: fprop's scales with grad_output's, and grad_output's
+        transposed operand, quantized here from the same read where wgrad runs in FP8 with a tensor scale;
+        a deferred (zero-bubble) wgrad holds it until W). ``saved``: what fprop returned."""
         scales, from_history = saved
+        g = grad_output2d
         if self.recipe.recipe == "delayed":
-            self._record(grad_output2d, GRAD_OUTPUT)
-        if scales is not None and not from_history:
+            self._record(g, GRAD_OUTPUT)
+        if self._rowwise():
+            w8, g_amax = self._weight_operands(weight, "dgrad", None, (g, GRAD_OUTPUT))
+            g_amax = self._amaxes([(g, GRAD_OUTPUT, "dgrad")])[0] if g_amax is None else g_amax
+            g8, _ = self._quantize(g, GRAD_OUTPUT, "row", amax=g_amax)
+            return self._mm(g8, w8, g.dtype), (None, None)
+        layout = "both" if self.recipe.wgrad else "row"
+        if from_history:
+            g8, g8t = self._quantize(g, GRAD_OUTPUT, layout, scale=scales[GRAD_OUTPUT])
+        else:
+            g8, g8t = self._quantize(g, GRAD_OUTPUT, layout, amax=self._amaxes([(g, GRAD_OUTPUT, "dgrad")])[0])
             scales = scales.clone()
-            scales[GRAD_OUTPUT] = self._current_scale(grad_output2d, GRAD_OUTPUT, None)
-        g8, _ = self._operand(grad_output2d, GRAD_OUTPUT, "dgrad", scales, grad_output2d.dtype)
-        w8, _ = self._operand(weight, WEIGHT, "dgrad", scales, grad_output2d.dtype)
-        return torch.mm(g8, w8), scales
+            scales[GRAD_OUTPUT] = g8.scale
+        w8, _ = self._weight_operands(weight, "dgrad", scales[WEIGHT])
+        return self._mm(g8, w8, g.dtype), (scales, g8t)
 
-    def wgrad(self, grad_output2d: torch.Tensor, x2d: torch.Tensor, scales: Optional[torch.Tensor]) -> torch.Tensor:
-        """grad_output^T @ input in fp32 (added to main_grad or cast to the weight's dtype by the caller)."""
-        g8, _ = self._operand(grad_output2d, GRAD_OUTPUT, "wgrad", scales, torch.float32)
-        x8, _ = self._operand(x2d, INPUT, "wgrad", scales, torch.float32)
-        return torch.mm(g8.t(), x8)
+    def wgrad(self, grad_output2d: torch.Tensor, x2d: torch.Tensor,
+              saved: tuple[Optional[torch.Tensor], Optional[Fp8Operand]],
+              out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """grad_output^T @ input in fp32: returned (the caller adds it or casts it to the weight's dtype), or
+        accumulated into ``out`` (main_grad) by the GEMM itself. ``saved``: what dgrad returned."""
+        scales, g8t = saved
+        if self._rowwise():
+            g_amax, x_amax = self._amaxes([(grad_output2d, GRAD_OUTPUT, "wgrad"), (x2d, INPUT, "wgrad")])
+            _, g8t = self._quantize(grad_output2d, GRAD_OUTPUT, "col", amax=g_amax)
+            _, x8t = self._quantize(x2d, INPUT, "col", amax=x_amax)
+        else:  # fprop's input scale, dgrad's grad_output operand
+            _, x8t = self._quantize(x2d, INPUT, "col", scale=scales[INPUT])
+        if out is None:
+            return self._mm(g8t, x8t, torch.float32)
+        scaled_mm_accumulate(g8t, x8t, out, emulate=self._emulated(g8t.data))
+        return None
 
     # --- delayed scaling: once per step ---------------------------------------------------------------
     def update_from(self, amax: torch.Tensor) -> None:

@@ -36,7 +36,8 @@ def weight_gradient(weight: torch.Tensor, total_x_2d: torch.Tensor, grad_output_
 
     A zero-bubble B defers the GEMM to the schedule's W (the input gradient and its collective stay
     on the critical path). With ``fused`` and a DDP ``main_grad``, the GEMM accumulates into it.
-    ``gemm(grad_output_2d, total_x_2d)``: the FP8 GEMM (fp32 result) instead of matmul / the fused kernel."""
+    ``gemm(grad_output_2d, total_x_2d, out=None)``: the FP8 GEMM (fp32 result, or accumulated into ``out``)
+    instead of matmul / the fused kernel."""
     if wgrad_store.defer(weight, functools.partial(wgrad_store.add_weight_grad, weight, total_x_2d,
                                                    grad_output_2d, fused, gemm)):
         return None
@@ -45,7 +46,7 @@ def weight_gradient(weight: torch.Tensor, total_x_2d: torch.Tensor, grad_output_
             return gemm(grad_output_2d, total_x_2d).to(weight.dtype)
         return grad_output_2d.t().matmul(total_x_2d)
     if gemm is not None:
-        weight.main_grad.add_(gemm(grad_output_2d, total_x_2d))
+        gemm(grad_output_2d, total_x_2d, out=weight.main_grad)
     else:
         from parallel3d.fused import wgrad_accumulate
 
@@ -106,7 +107,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if ctx.fp8 is None:
             grad_input = grad_output.matmul(weight)
         else:
-            grad_input, fp8_scales = ctx.fp8.dgrad(_2d(grad_output), weight, ctx.fp8_saved)
+            grad_input, fp8_saved = ctx.fp8.dgrad(_2d(grad_output), weight, ctx.fp8_saved)
             grad_input = grad_input.view(*grad_output.shape[:-1], grad_input.size(-1))
         if handle is not None:
             with tp_collective("all-gather of the sequence-parallel input", group):
@@ -128,7 +129,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_output_2d = _2d(grad_output)
         gemm = None
         if ctx.fp8 is not None and ctx.fp8.recipe.wgrad:  # else fp8_wgrad=False: the high-precision GEMM
-            gemm = functools.partial(ctx.fp8.wgrad, scales=fp8_scales)
+            gemm = functools.partial(ctx.fp8.wgrad, saved=fp8_saved)
         grad_weight = weight_gradient(weight, _2d(total_x), grad_output_2d, ctx.gradient_accumulation_fusion, gemm)
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
 

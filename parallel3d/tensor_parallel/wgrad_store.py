@@ -76,12 +76,16 @@ def run_deferred(items: Deferred) -> None:
 def add_weight_grad(weight: torch.Tensor, total_x_2d: torch.Tensor, grad_output_2d: torch.Tensor,
                     fused: bool, gemm: Optional[Callable] = None) -> None:
     """weight's gradient += grad_output^T @ input, into main_grad where there is one. ``gemm``: the
-    linear's FP8 weight-gradient GEMM (fp32 result), in place of matmul and the fused kernel."""
+    linear's FP8 weight-gradient GEMM (fp32 result, or accumulated into ``out=``), in place of matmul and the
+    fused kernel."""
     main_grad = getattr(weight, "main_grad", None)
     if fused and main_grad is not None and gemm is None:
         from parallel3d.fused import wgrad_accumulate
 
         wgrad_accumulate(total_x_2d, grad_output_2d, main_grad)
+        return
+    if main_grad is not None and gemm is not None:
+        gemm(grad_output_2d, total_x_2d, out=main_grad)
         return
     grad = grad_output_2d.t().matmul(total_x_2d) if gemm is None else gemm(grad_output_2d, total_x_2d)
     if main_grad is not None:

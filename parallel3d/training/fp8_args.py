@@ -1,13 +1,15 @@
 """Megatron-LM's FP8 flags (its "Transformer-Engine" group), with Megatron's names, defaults and
 destinations (``args.fp8``, ``args.fp8_recipe``, ...: TransformerConfig's fields of the same names).
 
-FP8 runs in the transformer layers' linears (tensor_parallel/fp8.py, through torchao); the
+FP8 runs in the transformer layers' linears (tensor_parallel/fp8.py, torch._scaled_mm); the
 output layer and the embeddings stay in bf16. What Megatron has under FP8 and parallel3d does not
 do is refused by name (``REFUSED_FP8``), before any work.
 """
 from __future__ import annotations
 
 import argparse
+
+import torch
 
 from parallel3d.tensor_parallel.fp8 import AMAX_COMPUTE_ALGOS, FORMATS, RECIPES, REFUSED_RECIPES
 
@@ -29,8 +31,8 @@ DELAYED_ONLY = ("fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo")
 
 
 def add_fp8_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("FP8 (Megatron-LM's Transformer-Engine flags; torchao's float8 here: "
-                             "pip install 'parallel3d[fp8]')")
+    g = p.add_argument_group("FP8 (Megatron-LM's Transformer-Engine flags; torch._scaled_mm here, on GPUs of "
+                             "compute capability 8.9 or higher, emulated on CPU processes)")
     g.add_argument("--fp8-format", dest="fp8", choices=list(FORMATS), default=None,
                    help="FP8 GEMMs in the transformer layers' linears (needs --bf16): e4m3 everywhere, or hybrid "
                         "(e4m3 forward, e5m2 gradients); the output layer and embeddings stay in bf16")
@@ -67,12 +69,9 @@ def fp8_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--fp8-amax-history-len must be >= 1, got {args.fp8_amax_history_len}")
     if args.fp8_margin < 0:
         problems.append(f"--fp8-margin must be >= 0, got {args.fp8_margin}")
-    try:
-        from parallel3d.tensor_parallel.fp8 import torchao_float8
-
-        torchao_float8()
-    except ImportError as e:
-        problems.append(f"--fp8-format: {e}")
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        problems.append(f"--fp8-format {args.fp8}: {torch.cuda.get_device_name()} has no FP8 tensor cores (compute "
+                        "capability 8.9 or higher: H100, H200, L40, RTX 40xx); run in bf16 (omit the flag)")
     return problems
 
 

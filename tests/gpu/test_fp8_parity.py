@@ -10,11 +10,8 @@ effect); one launch on 2 GPUs trains every layout. Each loss, gradient norm and 
 quantity: a correct layout is an FP8 run as far from bf16 as the one-GPU FP8 run is, so by the
 triangle inequality at most twice that from it.
 
-Skips, naming the reason: no CUDA GPU; torchao not importable (nothing is installed here: put the
-torchao wheel on PYTHONPATH, or ``pip install parallel3d[fp8]``); a GPU without FP8 tensor cores
-(compute capability below 8.9).
+Skips, naming the reason: no CUDA GPU; a GPU without FP8 tensor cores (compute capability below 8.9).
 """
-import importlib.util
 import math
 import os
 
@@ -34,8 +31,6 @@ LAYOUTS = {"tp2-sp": (2, 1, None, True, []),
 def _why_not() -> str:
     if GPUS < 1:
         return f"FP8 parity needs a CUDA GPU; this machine has {GPUS}"
-    if importlib.util.find_spec("torchao") is None:
-        return "torchao is not importable (FP8's library): put its wheel on PYTHONPATH or pip install parallel3d[fp8]"
     cc = torch.cuda.get_device_capability(0)
     if cc < (8, 9):
         return f"{torch.cuda.get_device_name(0)} has compute capability {cc[0]}.{cc[1]}; FP8 GEMMs need 8.9 or higher"
