@@ -271,7 +271,8 @@ def _tp_layers_without_groups(rank, world_size):
     if world_size == 1:  # a job of one process has one layout: the layer builds as one process
         return tp.ColumnParallelLinear(8, 8).tp_group is None
     for build in (lambda: tp.ColumnParallelLinear(8, 8),
-                  lambda: tp.vocab_parallel_cross_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long))):
+                  lambda: tp.vocab_parallel_cross_entropy(torch.randn(3, 8), torch.zeros(3, dtype=torch.long)),
+                  lambda: tp.model_parallel_cuda_manual_seed(1234)):  # else every rank seeds as TP rank 0
         with pytest.raises(RuntimeError, match=f"job of {world_size} processes.*initialize_model_parallel"):
             build()
     with single_process_layout():  # what a test's single-process reference does
@@ -281,8 +282,8 @@ def _tp_layers_without_groups(rank, world_size):
 
 
 def test_tp_layers_refuse_a_job_of_several_processes_without_groups():
-    """A TP layer without groups in a job of several processes would compute on each rank as if alone: refused
-    (as DDP refuses); alone in its job, or without torch.distributed, it is the one-process layer."""
+    """A TP layer (or the TP RNG seeding) without groups in a job of several processes would act on each rank as if
+    alone: refused (as DDP refuses); alone in its job, or without torch.distributed, it is the one-process layer."""
     assert run_distributed(_tp_layers_without_groups, 2, timeout=60) == [True, True]
     assert run_distributed(_tp_layers_without_groups, 1, timeout=60) == [True]
     from parallel3d import tensor_parallel as tp

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from parallel3d.pipeline.registry import build_schedule
-from parallel3d.pipeline.registry import V_SHAPED
+from parallel3d.pipeline.registry import schedule_record
 from parallel3d.pipeline.schedules import Schedule
 from parallel3d.pipeline.simulate import SimResult, simulate
 
@@ -145,7 +145,7 @@ def simulate_pipeline(name: str, P: int, M: int, V: int, costs: StageTimes, comm
         return PipelineTiming(r.makespan, [tl[-1][1] for tl in r.timelines], busy, r.peak_inflight, r)
     # Unequal stages take a few rounds of P microbatches to settle: simulate M = s, 2s, 3s, ...
     # (s a multiple of P) until two successive increments agree, then extend from the last two.
-    step = P * max(2 if name in V_SHAPED else 1, math.ceil(4 / P))  # dualpipev needs M >= 2P
+    step = P * max(math.ceil(schedule_record(name).min_microbatches(P) / P), math.ceil(4 / P))
     runs = [(m, _run(name, P, m, V, costs, comm, shape)) for m in (step, 2 * step)]
     while True:
         (_, ra), (mb, rb) = runs[-2], runs[-1]

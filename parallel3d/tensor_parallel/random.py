@@ -117,10 +117,11 @@ def model_parallel_cuda_manual_seed(seed: int, tp_rank: int | None = None) -> No
     here would change weights initialised afterwards. On a CPU rank the device generator is the
     CPU's, so there it is seeded.
     """
-    if tp_rank is None:
-        from parallel3d import parallel_state
+    if tp_rank is None:  # a job of several processes without groups: refused, not every rank "TP rank 0"
+        from .utils import group_rank_and_size, resolve_tp_group
 
-        tp_rank = parallel_state.resolve_parallel_state().tensor_model_parallel_rank
+        group = resolve_tp_group(None, "model_parallel_cuda_manual_seed", "pass tp_rank=")
+        tp_rank = group_rank_and_size(group)[0]
     _manual_seed(seed)
     _TRACKER.reset()
     _TRACKER.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)

@@ -17,17 +17,19 @@ def divide(numerator: int, denominator: int, what: str = "value") -> int:
     return numerator // denominator
 
 
-def resolve_tp_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+def resolve_tp_group(group: Optional[dist.ProcessGroup], who: str = "a tensor-parallel layer",
+                     instead: str = "pass the layer its group (tp_group= or group=)") -> Optional[dist.ProcessGroup]:
     """The explicit group if given, else the default TP group, else None (one process, no TP) where this process
     is alone: without torch.distributed, or in a job of one process. In a job of several processes without
-    model-parallel groups an error, as DDP gives: a layer that guessed would compute on each rank as if alone."""
+    model-parallel groups an error, as DDP gives: ``who`` (a layer, the RNG seeding) would act on each rank as if
+    alone. ``instead``: the error's other fix."""
     if group is not None:
         return group
     if not parallel_state.model_parallel_is_initialized() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError(
-            f"a tensor-parallel layer in a job of {dist.get_world_size()} processes, but model parallel groups are "
+            f"{who} in a job of {dist.get_world_size()} processes, but model parallel groups are "
             "not initialised: call parallel_state.initialize_model_parallel(...) first (tensor_model_parallel_size=1 "
-            "for a model of one process per rank), or pass the layer its group (tp_group= or group=)")
+            f"for a model of one process per rank), or {instead}")
     return parallel_state.resolve_parallel_state().tensor_model_parallel_group
 
 
