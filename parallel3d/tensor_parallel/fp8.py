@@ -197,7 +197,8 @@ class Fp8Scaling(nn.Module):
         """Delayed scaling: this tensor's (local) amax (``amax`` where already known) joins the step's; TP
         and DP reduce at the update."""
         amax = local_amax(t.detach()) if amax is None else amax
-        self.amax_pending[role] = torch.maximum(self.amax_pending[role], amax)
+        pending = self.amax_pending[role:role + 1]  # a view: one in-place launch, no gather and scatter
+        torch.maximum(pending, amax.reshape(1), out=pending)
 
     def _mm(self, a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype, fast_accum: bool = False,
             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -254,11 +255,13 @@ class Fp8Scaling(nn.Module):
 
     # --- the three GEMMs ------------------------------------------------------------------------------
     def fprop(self, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
-              ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], bool]]:
+              ) -> tuple[torch.Tensor, tuple[Optional[list[torch.Tensor]], bool]]:
         """(x @ weight^T + bias, what dgrad needs: the scales backward reuses and whether they came from
         the history). Delayed scaling records the amaxes of a training forward only: a module in eval
         mode (evaluation, generation) leaves the next step's scales alone."""
-        scales = self.scale.clone() if self._from_history() else None  # backward uses this step's too
+        # The roles' scales as a list of 0-dim tensors (views or the casts' own: no launch to gather them);
+        # delayed copies the buffer, which backward's GEMMs use after the forward.
+        scales = list(self.scale.clone().unbind()) if self._from_history() else None
         if scales is not None:
             w8, _ = self._weight_operands(weight, "fprop", scales[WEIGHT])
             x8, _ = self._quantize(x2d, INPUT, "row", scale=scales[INPUT])
@@ -271,11 +274,11 @@ class Fp8Scaling(nn.Module):
             self._record(weight, WEIGHT, self._weight_amax(weight))
         out = self._mm(x8, w8, x2d.dtype, fast_accum=True, bias=None if bias is None else bias.to(x2d.dtype))
         if scales is None and not self._rowwise():  # current scales: grad_output's comes in dgrad
-            scales = torch.stack([x8.scale.reshape(()), w8.scale.reshape(()), torch.zeros_like(x8.scale.reshape(()))])
+            scales = [x8.scale, w8.scale, None]
         return out, (scales, self._from_history())
 
-    def dgrad(self, grad_output2d: torch.Tensor, weight: torch.Tensor, saved: tuple[Optional[torch.Tensor], bool]
-              ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], Optional[Fp8Operand]]]:
+    def dgrad(self, grad_output2d: torch.Tensor, weight: torch.Tensor, saved: tuple[Optional[list[torch.Tensor]], bool]
+              ) -> tuple[torch.Tensor, tuple[Optional[list[torch.Tensor]], Optional[Fp8Operand]]]:
         """(grad_output @ weight, what wgrad takes: fprop's scales with grad_output's, and grad_output's
         transposed operand, quantized here from the same read where wgrad runs in FP8 with a tensor scale;
         a deferred (zero-bubble) wgrad holds it until W). ``saved``: what fprop returned."""
@@ -293,13 +296,12 @@ class Fp8Scaling(nn.Module):
             g8, g8t = self._quantize(g, GRAD_OUTPUT, layout, scale=scales[GRAD_OUTPUT])
         else:
             g8, g8t = self._quantize(g, GRAD_OUTPUT, layout, amax=self._amaxes([(g, GRAD_OUTPUT, "dgrad")])[0])
-            scales = scales.clone()
-            scales[GRAD_OUTPUT] = g8.scale
+            scales = scales[:GRAD_OUTPUT] + [g8.scale]
         w8, _ = self._weight_operands(weight, "dgrad", scales[WEIGHT])
         return self._mm(g8, w8, g.dtype), (scales, g8t)
 
     def wgrad(self, grad_output2d: torch.Tensor, x2d: torch.Tensor,
-              saved: tuple[Optional[torch.Tensor], Optional[Fp8Operand]],
+              saved: tuple[Optional[list[torch.Tensor]], Optional[Fp8Operand]],
               out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """grad_output^T @ input in fp32: returned (the caller adds it or casts it to the weight's dtype), or
         accumulated into ``out`` (main_grad) by the GEMM itself. ``saved``: what dgrad returned."""
