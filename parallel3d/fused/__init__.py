@@ -19,6 +19,7 @@ from parallel3d.fused.bias_dropout_add import bias_dropout_add, bias_dropout_add
 from parallel3d.fused.bias_gelu import bias_gelu, bias_gelu_reference
 from parallel3d.fused.bias_swiglu import bias_swiglu, bias_swiglu_reference
 from parallel3d.fused.cross_entropy import cross_entropy
+from parallel3d.fused.fp8_cast import fp8_cast, fp8_cast_reference
 from parallel3d.fused.grad_accum import wgrad_accumulate, wgrad_accumulate_fp8, wgrad_accumulate_fp8_reference
 from parallel3d.fused.layer_norm import layer_norm, layer_norm_reference
 from parallel3d.fused.rms_norm import rms_norm, rms_norm_reference
@@ -37,6 +38,8 @@ __all__ = [
     "bias_swiglu_reference",
     "cross_entropy",
     "describe",
+    "fp8_cast",
+    "fp8_cast_reference",
     "fusion_enabled",
     "layer_norm",
     "layer_norm_reference",
