@@ -238,8 +238,6 @@ class Fp8Scaling(nn.Module):
             items = [(weight, WEIGHT, gemm)] + ([(other[0], other[1], gemm)] if other is not None else [])
             amax, *rest = self._amaxes(items)
             other_amax = rest[0] if rest else None
-            if self.recipe.recipe == "delayed":
-                cache["amax"] = local_amax(weight.detach())  # the record takes the local amax
         layout = ("row" if gemm == "fprop" else "col") if self._rowwise() or not self._caches(weight) else "both"
         row, col = self._quantize(weight, WEIGHT, layout, scale=scale, amax=None if scale is not None else amax)
         cache.update({"fprop": row} if row is not None else {})
