@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 
 import torch
 import torch.distributed as dist
 
-from nccl_bench import time_ms  # bench/ is this script's directory
+from nccl_bench import emit_result, time_ms  # bench/ is this script's directory
 
 
 def stream_wait_value32(address: int, value: int) -> None:
@@ -139,10 +138,7 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()}, {world} ranks, torch {torch.__version__}")
         for name, ms in rows.items():
             print(f"{name:55s} {ms:8.3f} ms")
-        print("RESULT_JSON: " + json.dumps(rows))
-        if a.json_out:
-            with open(a.json_out, "w") as f:
-                json.dump(rows, f, indent=1)
+        emit_result(rows, a.json_out)
     dist.destroy_process_group()
 
 

@@ -44,6 +44,14 @@ def time_ms(fn, iters: int, warmup: int, beside=None) -> float:
     return statistics.median(times)
 
 
+def emit_result(rows, json_out) -> None:
+    """The results as the RESULT_JSON line the bench drivers read, and to ``json_out`` where given."""
+    print("RESULT_JSON: " + json.dumps(rows))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes-mib", type=float, nargs="+", default=[4, 8, 16, 32, 64])
@@ -99,10 +107,7 @@ def main() -> None:
               f"{torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))})")
         for r in rows:
             print(f"{r['op']:15s} {r['size_mib']:6.1f} {r['where']:22s} {r['ms']:8.3f} {r['busbw_gbs']:10.1f}")
-        print("RESULT_JSON: " + json.dumps(rows))
-        if a.json_out:
-            with open(a.json_out, "w") as f:
-                json.dump(rows, f, indent=1)
+        emit_result(rows, a.json_out)
     dist.destroy_process_group()
 
 
