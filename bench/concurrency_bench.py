@@ -5,9 +5,10 @@
 Each row is the median of --iters CUDA-event timings (after --warmup) of one operation on the current
 stream, alone and "beside a GEMM": an 8192^3 bf16 GEMM launched just before it on another stream. An
 operation that truly runs beside the GEMM keeps its alone time; one that waits for it takes the GEMM's.
-- a tiny elementwise kernel (4 KiB), also with SMs carved out of the GEMM
-  (torch._C._set_sm_carveout_experimental) and from a high-priority stream;
-- a 16 MiB copy to the peer GPU's memory (the copy engine, no SMs);
+- a tiny elementwise kernel (4 KiB), also with SMs carved out of the GEMM (nccl_bench.sm_carveout, which
+  routes the GEMMs through cuBLASLt: torch's default cuBLAS path ignores a carveout) and from a
+  high-priority stream;
+- a 16 MiB copy to the peer GPU's memory (the copy engine, no SMs), and one within the GPU (which waits);
 - a 16 MiB-per-rank all-gather and reduce-scatter through NCCL (kernels) and through torch's
   copy-engine collectives (symmetric memory's _low_contention_* ops: copy-engine copies between
   barriers that are kernels);
@@ -25,7 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from nccl_bench import emit_result, time_ms  # bench/ is this script's directory
+from nccl_bench import emit_result, sm_carveout, time_ms  # bench/ is this script's directory
 
 
 def stream_wait_value32(address: int, value: int) -> None:
@@ -79,11 +80,12 @@ def main() -> None:
     group = dist.group.WORLD
     high = torch.cuda.Stream(priority=-1)
     mat = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # every GEMM on the path the carveout row needs
 
     def gemm(carveout=None):
-        torch._C._set_sm_carveout_experimental(carveout)
+        sm_carveout(carveout)
         mat @ mat
-        torch._C._set_sm_carveout_experimental(None)
+        sm_carveout(None)
 
     def timed(fn, beside=None) -> float:
         return time_ms(fn, a.iters, a.warmup, beside)
@@ -109,6 +111,9 @@ def main() -> None:
         peer = torch.empty_like(shard, device=f"cuda:{(torch.cuda.current_device() + 1) % torch.cuda.device_count()}")
         rows["16 MiB copy to the peer GPU alone"] = timed(lambda: peer.copy_(shard, non_blocking=True))
         rows["16 MiB copy to the peer GPU beside a GEMM"] = timed(lambda: peer.copy_(shard, non_blocking=True), gemm)
+        local = torch.empty_like(shard)
+        rows["16 MiB copy within the GPU alone"] = timed(lambda: local.copy_(shard))
+        rows["16 MiB copy within the GPU beside a GEMM"] = timed(lambda: local.copy_(shard), gemm)
         shard2d = shard.view(-1, 1024)
         full = torch.randn(world * shard2d.size(0), 1024, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(full)

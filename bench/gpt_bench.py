@@ -124,8 +124,8 @@ def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace,
                    "here and add the per-collective table (bench/collective_profile.py) to the result")
     p.add_argument("--stub-tp-comm", action="store_true", help="replace every collective by a local copy "
                    "(TP-only layouts; timing diagnosis, wrong numbers)")
-    p.add_argument("--sm-carveout", type=int, default=None, help="SMs every cuBLAS GEMM leaves free "
-                   "(torch._C._set_sm_carveout_experimental), so a collective beside it gets SMs at once")
+    p.add_argument("--sm-carveout", type=int, default=None, help="SMs every GEMM leaves free "
+                   "(nccl_bench.sm_carveout: every GEMM through cuBLASLt), so a collective beside it gets SMs at once")
     p.add_argument("--fp32", action="store_true", help="fp32 instead of bf16 (CPU smoke runs)")
     p.add_argument("--fp8-disable", nargs="+", default=[], choices=sorted(FP8_SPEEDUPS),
                    help="with --fp8-format: switch these speed-ups of tensor_parallel/fp8.py off (same numbers), "
@@ -204,7 +204,9 @@ def main(argv=None) -> None:
             raise SystemExit("--stub-tp-comm: only for TP-only layouts (PP and DP traffic must stay real)")
         stub_collectives()
     if bench.sm_carveout is not None:
-        torch._C._set_sm_carveout_experimental(bench.sm_carveout)
+        from nccl_bench import sm_carveout  # bench/ is this script's directory
+
+        sm_carveout(bench.sm_carveout)
     fused_kernels = fused.describe()
     config = gpt.transformer_config_from_args(args)
     partition = gpt.layer_partition(args, config)

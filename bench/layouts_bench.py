@@ -63,6 +63,10 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     **{f"tp2{sp}-co{n}": (2, TP2 if sp else TP2_NOSP, ["--sm-carveout", str(n)], False)
        for sp in ("", "-sp") for n in (8, 16, 32)},
     "tp2-hp-co16": (2, TP2_NOSP, ["--sm-carveout", "16"], False),
+    # is the TP step bound by the host's launches? More work per launch (a micro-batch of 8), fewer launches
+    "tp2-sp-mbs8": (2, TP2 + ["--micro-batch-size", "8"], [], False),
+    "1gpu-mbs8": (1, GPT + ["--global-batch-size", "16", "--micro-batch-size", "8"], [], False),
+    "tp2-sp-compile": (2, TP2 + ["--compile"], [], False),
     "tp2-co16-nc8": (2, TP2_NOSP, ["--sm-carveout", "16"], False),
 }
 # parallel3d runs' extra environment: NCCL's stream at high priority, and (nc8) at most 8 channels, so its

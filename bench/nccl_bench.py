@@ -44,6 +44,16 @@ def time_ms(fn, iters: int, warmup: int, beside=None) -> float:
     return statistics.median(times)
 
 
+def sm_carveout(count) -> None:
+    """Leave ``count`` SMs free in every later GEMM (None: use them all). torch applies the carveout only on its
+    cuBLASLt path: its default cuBLAS path ignores it (a kernel beside an 8192^3 GEMM "leaving 66 SMs free"
+    still waited for the whole GEMM; BENCHMARKS.md, issue 26's third lease), so a carveout also routes every
+    GEMM through cuBLASLt (``torch.backends.cuda.preferred_blas_library``), for the rest of the process."""
+    if count is not None:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(count)
+
+
 def emit_result(rows, json_out) -> None:
     """The results as the RESULT_JSON line the bench drivers read, and to ``json_out`` where given."""
     print("RESULT_JSON: " + json.dumps(rows))
@@ -60,12 +70,14 @@ def main() -> None:
     p.add_argument("--json-out", default=None)
     p.add_argument("--carveouts", type=int, nargs="*", default=[],
                    help="also time each collective beside a GEMM that leaves this many SMs free "
-                        "(torch._C._set_sm_carveout_experimental), and the GEMM alone with it")
+                        "(sm_carveout: through cuBLASLt), and the GEMM alone with it")
     a = p.parse_args()
     dist.init_process_group("nccl")
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     gemm_a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    if a.carveouts:  # every GEMM on the path the carveouts need, the baseline included
+        torch.backends.cuda.preferred_blas_library("cublaslt")
 
     def gemm():  # a few ms of tensor-core work, longer than any collective timed here
         for _ in range(4):
@@ -73,17 +85,17 @@ def main() -> None:
 
     rows = []
     for co in [None] + a.carveouts:  # the GEMM alone: what a carveout costs it
-        torch._C._set_sm_carveout_experimental(co)
+        sm_carveout(co)
         ms = time_ms(gemm, a.iters, a.warmup) / 4
         rows.append({"op": "gemm 8192^3", "size_mib": 0, "where": f"{co or 0} SMs free", "ms": ms,
                      "busbw_gbs": 2 * 8192 ** 3 / (ms * 1e-3) / 1e12, "ranks": n})
-    torch._C._set_sm_carveout_experimental(None)
+    sm_carveout(None)
 
     def beside_with(co):
         def run():
-            torch._C._set_sm_carveout_experimental(co)
+            sm_carveout(co)
             gemm()
-            torch._C._set_sm_carveout_experimental(None)
+            sm_carveout(None)
         return run
 
     for mib in a.sizes_mib:
