@@ -22,11 +22,12 @@ REFUSED: dict[str, str] = {
     "--overlap-param-gather": "the distributed optimizer all-gathers parameters right after its step; "
                               "--overlap-grad-reduce overlaps the gradient reduction with backward",
     "--use-torch-fsdp2": "FSDP is not implemented; --use-distributed-optimizer shards the optimizer state (ZeRO-1)",
-    "--tp-comm-overlap": "not implemented: both overlaps tried here measured slower (pipelining the sequence-"
-                         "parallel collectives against GEMM pieces, and running each layer as batch pieces whose "
-                         "collectives run beside the other pieces' GEMMs; BENCHMARKS.md): a collective beside a "
-                         "cuBLAS GEMM waits for the GEMM's SMs. Omit the flag; without --sequence-parallel TP=2 "
-                         "measured faster where its memory fits",
+    "--tp-comm-overlap": "not implemented: the three overlaps tried here measured slower (the sequence-parallel "
+                         "collectives pipelined against GEMM pieces, Domino-style batch pieces, and collectives on "
+                         "the copy engine; BENCHMARKS.md, issue 26): an NCCL kernel beside a cuBLAS GEMM waits for "
+                         "its SMs, and a TP=2 step at micro-batch 4 is bound by the host's launches. Omit the flag; "
+                         "a larger --micro-batch-size, or TP without --sequence-parallel where its memory fits, "
+                         "measured faster",
     "--ckpt-format": "parallel3d has one checkpoint format (a safetensors file per TP/PP rank, Megatron's directory "
                      "names); omit the flag. tools/convert_checkpoint.py converts to and from Hugging Face",
     "--use-dist-ckpt": "parallel3d has one checkpoint format; omit the flag (see --ckpt-format)",
