@@ -17,6 +17,8 @@ Extras:
 - ``--profile-overlap``: profile one iteration and report where the last rank's GPU time went
   (bench/profile_breakdown.py: GEMM, attention, other, communication and how much of it ran beside
   compute, idle); with ``--trace-out``, also collective by collective (bench/collective_profile.py);
+- ``--host-time``: whether the step is bound by the host: the host's time to launch forward and backward
+  against the GPU's time to finish them (equal: the GPU waited for the host);
 - ``--stub-tp-comm``: a diagnosis, not a training run: every collective is replaced by a local copy of
   the right shape (numbers are wrong), so a TP-only step times its compute without communication, the
   ceiling that hiding the communication could reach.
@@ -122,6 +124,9 @@ def bench_args(argv=None, world: int | None = None) -> tuple[argparse.Namespace,
                    "table (by input shapes) to this file")
     p.add_argument("--trace-out", default=None, help="with --profile-overlap: export the last rank's chrome trace "
                    "here and add the per-collective table (bench/collective_profile.py) to the result")
+    p.add_argument("--host-time", action="store_true", help="after the timed steps, time 4 more: how long the host "
+                   "takes to launch forward and backward against when the GPU finishes them (a host-bound step: "
+                   "the GPU ends right after the host's last launch)")
     p.add_argument("--stub-tp-comm", action="store_true", help="replace every collective by a local copy "
                    "(TP-only layouts; timing diagnosis, wrong numbers)")
     p.add_argument("--sm-carveout", type=int, default=None, help="SMs every GEMM leaves free "
@@ -188,6 +193,40 @@ def stub_collectives() -> None:
     for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
         setattr(dist, name, scatter)
     dist.all_reduce = all_reduce
+
+
+def host_and_gpu_time(step, steps: int = 4) -> dict:
+    """Milliseconds from the start of forward and backward (the GPU idle) to the host's return from them, and
+    to the GPU's end of them, median of ``steps`` training steps. forward_backward is wrapped for the
+    measurement only: the training step's own syncs come after it (loss, grad norm)."""
+    import parallel3d.training.step as step_module
+
+    inner, pairs = step_module.forward_backward, []
+
+    def timed(*args, **kwargs):
+        cuda = torch.cuda.is_available()  # on CPU the host does the work: both times are the host's
+        sync()
+        start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+        t0 = time.perf_counter()
+        if cuda:
+            start.record()
+        out = inner(*args, **kwargs)
+        host = (time.perf_counter() - t0) * 1e3
+        if cuda:
+            end.record()
+        sync()
+        pairs.append((host, start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3))
+        return out
+
+    step_module.forward_backward = timed
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        step_module.forward_backward = inner
+    return {"host_fwd_bwd_ms": statistics.median(h for h, _ in pairs),
+            "gpu_fwd_bwd_ms": statistics.median(g for _, g in pairs),
+            "host_gpu_fwd_bwd_ms": [[round(h, 1), round(g, 1)] for h, g in pairs]}
 
 
 def sync() -> None:
@@ -291,6 +330,10 @@ def main(argv=None) -> None:
             "formula_bubble_overhead": (P - 1) / (V * args.num_microbatches),
             "stage_costs_ms": {f"{r}.{c}": [round(1e3 * x, 2) for x in v] for (r, c), v in stage_costs.items()},
         })
+
+    if bench.host_time:
+        result.update(host_and_gpu_time(partial(train_step, forward_step, iterators, model, optimizer, scheduler,
+                                                training_config, schedule=bench.schedule)))
 
     if bench.profile_overlap:
         from torch.profiler import ProfilerActivity, profile

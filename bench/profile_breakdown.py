@@ -83,7 +83,19 @@ def kernel_breakdown(prof) -> dict:
             "nccl_kernel_us": _length(comm), "nccl_beside_compute_us": beside,
             "nccl_overlap_fraction": beside / _length(comm) if comm else None,
             "nccl_kernels": sum(1 for c, _, _ in kernels if c == "comm"),
-            "top_other_ms": _top(prof, "other", 12)}
+            "top_other_ms": _top(prof, "other", 12), "top_host_ms": top_host(prof, 15),
+            "kernel_launches": sum(1 for e in prof.events() if e.name in _LAUNCHES)}
+
+
+_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
+             "cudaMemsetAsync")
+
+
+def top_host(prof, n: int) -> dict[str, float]:
+    """The ``n`` operators and CUDA runtime calls with the most host (CPU self) time, in ms: where a step bound
+    by the host spends it."""
+    rows = sorted(prof.key_averages(), key=lambda r: -r.self_cpu_time_total)[:n]
+    return {r.key[:90]: round(r.self_cpu_time_total * 1e-3, 3) for r in rows}
 
 
 def _top(prof, cls: str, n: int) -> dict[str, float]:
