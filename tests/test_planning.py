@@ -216,10 +216,28 @@ def test_hopper_prices_a_collective_beside_a_gemm_as_exposed_and_the_search_trie
     the search offers TP with and without SP (SP for its memory, without for its speed where it fits)."""
     tp2 = Layout(tensor_model_parallel_size=2, micro_batch_size=4, global_batch_size=16)
     sp, no_sp = dataclasses.replace(tp2, sequence_parallel=True), tp2
-    hopper = get_cluster("h100-sxm")
+    hopper = dataclasses.replace(get_cluster("h100-sxm"), host_layer_us=0.0)  # the GPU's side alone: see below
     overlapping = dataclasses.replace(hopper, comm_overlaps_gemm=True)
     for layout in (sp, no_sp):
         assert estimate(GPT_1_3B, layout, hopper).step_time_s > estimate(GPT_1_3B, layout, overlapping).step_time_s
     assert estimate(GPT_1_3B, sp, hopper).peak_memory_gib < estimate(GPT_1_3B, no_sp, hopper).peak_memory_gib
     layouts = candidates(GPT_1_3B, hopper, 2, Layout(global_batch_size=16), (4,))
     assert {layout.sequence_parallel for layout in layouts if layout.tp == 2} == {True, False}
+
+
+def test_a_rank_whose_gpu_outruns_the_host_waits_for_its_launches():
+    """The host's launch time per layer (ClusterSpec.host_layer_us; BENCHMARKS.md, issue 26's third lease): at TP=2
+    + SP, micro-batch 4, a GPT-1.3B rank's GPU work is shorter than its host's launches, and the step takes the
+    host's time; at micro-batch 8 (the same tokens) the GPU is the slower again; one GPU is GPU-bound."""
+    hopper = get_cluster("h100-sxm")
+    gpu_only = dataclasses.replace(hopper, host_layer_us=0.0)
+    tp2_sp = Layout(tensor_model_parallel_size=2, sequence_parallel=True, micro_batch_size=4, global_batch_size=16)
+    host_bound = estimate(GPT_1_3B, tp2_sp, hopper)
+    host_time = 24 * 4 * hopper.host_layer_us * 1e-6  # layers x microbatches
+    assert host_bound.host_wait_s > 0 and any("host-bound" in w for w in host_bound.warnings)
+    assert host_bound.step_time_s > estimate(GPT_1_3B, tp2_sp, gpu_only).step_time_s
+    assert host_bound.step_time_s >= host_time
+    mbs8 = estimate(GPT_1_3B, dataclasses.replace(tp2_sp, micro_batch_size=8), hopper)
+    assert mbs8.host_wait_s == 0 and mbs8.tokens_per_s_per_gpu > host_bound.tokens_per_s_per_gpu
+    one_gpu = Layout(micro_batch_size=4, global_batch_size=16)
+    assert estimate(GPT_1_3B, one_gpu, hopper).step_time_s == estimate(GPT_1_3B, one_gpu, gpu_only).step_time_s

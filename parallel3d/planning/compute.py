@@ -45,6 +45,7 @@ class PassCost:
     recompute: float = 0.0  # forward work redone inside the backward
     tp_comm_fwd: float = 0.0
     tp_comm_bwd: float = 0.0  # includes the recomputed forward's collectives
+    host: float = 0.0  # the host's time to launch the forward and backward (the GPU waits where it is longer)
 
     @property
     def forward(self) -> float:
@@ -69,7 +70,8 @@ class PassCost:
         return PassCost(*(a * k for a in self.astuple()))
 
     def astuple(self) -> tuple[float, ...]:
-        return (self.fwd, self.bwd_input, self.bwd_weight, self.recompute, self.tp_comm_fwd, self.tp_comm_bwd)
+        return (self.fwd, self.bwd_input, self.bwd_weight, self.recompute, self.tp_comm_fwd, self.tp_comm_bwd,
+                self.host)
 
 
 def gemm_time(cluster: ClusterSpec, m: int, n: int, k: int, batch: int = 1, wgrad: bool = False,
@@ -182,7 +184,7 @@ def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCo
         comm_bwd = _exposed(cluster, ar, wgrad_qkv) + _exposed(cluster, ar, wgrad_fc1)
     if layout.recompute_granularity == "full":
         comm_bwd += comm_fwd  # the recomputed forward communicates again
-    return PassCost(fwd, bwd_in, bwd_w, recompute, comm_fwd, comm_bwd)
+    return PassCost(fwd, bwd_in, bwd_w, recompute, comm_fwd, comm_bwd, cluster.host_layer_us * 1e-6)
 
 
 def _layer_elementwise(model: ModelSpec, layout: Layout, forward: bool) -> float:

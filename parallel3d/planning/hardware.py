@@ -99,6 +99,9 @@ class ClusterSpec:
     intra_latency_us: float = 10.0  # per ring step inside a node
     inter_latency_us: float = 20.0  # per ring step across nodes
     kernel_launch_us: float = 4.0  # per GEMM / elementwise kernel; matters for small shapes
+    # The host's (CPU's) time to launch one transformer layer's forward and backward for one microbatch, eager
+    # PyTorch; where a rank's GPU work is shorter, its GPU waits for the host (0: not priced).
+    host_layer_us: float = 0.0
     # Memory-bound kernels (norms, activations, adds, copies, reductions) as a fraction of copy_gbs.
     # 0.86: the byte-weighted mean of parallel3d's LayerNorm (87% fwd, 74% bwd), bias-GeLU (95%,
     # 93%) and bias-dropout-add (93%, 83%) kernels measured on H100 at GPT-1.3B sizes
@@ -170,6 +173,9 @@ _H100_COMMON = dict(
     attention_fwd_efficiency=0.424, attention_bwd_efficiency=0.314,
     intra_busbw_gbs=328.0,  # measured 2-GPU NVLink all-reduce of 1 GiB, bus bandwidth
     intra_p2p_gbs=365.0,  # measured 1 GiB send rank 0 -> rank 1 (NVLink 4)
+    # bench/gpt_bench.py --host-time, GPT-1.3B, 2 x H200 host, 2026-11-27 (BENCHMARKS.md, issue 26's third lease):
+    # TP=2 + SP at micro-batch 4 took 405-412 ms of host time for 96 layer-microbatches, one GPU 433 ms.
+    host_layer_us=4300.0,
 )
 
 # The pipeline split's price of the output layer and loss (compute.head_cost_in_layers): bytes of memory

@@ -20,7 +20,7 @@ from .compute import optimizer_time
 from .hardware import ClusterSpec
 from .memory import memory_breakdown, params_on_rank
 from .model import Layout, ModelSpec
-from .step import StepEstimate, dp_time, estimate, stage_costs
+from .step import StepEstimate, dp_time, estimate, stage_costs, schedule_times
 
 
 @dataclass
@@ -81,12 +81,12 @@ def lower_bound(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> tuple
     M, best, fits = layout.num_microbatches, 0.0, True
     start = 0.0  # a rank starts after the first microbatch's forward reached it (every schedule)
     for rank, row in enumerate(costs):
-        work = M * sum(c.forward + c.backward for c in row)
+        work = M * sum(sum(schedule_times(c)) for c in row)  # the GPU's work, or the host's where longer
         window = sum(c.backward for c in row)
         n = params_on_rank(model, layout, rank)
         dp = dp_time(model, layout, cluster, rank, window)
         best = max(best, start + work + dp + optimizer_time(n, layout, cluster))
-        start += row[0].forward
+        start += schedule_times(row[0])[0]
         # The most (microbatch, chunk) forwards a rank holds: its warm-up plus the first steady one.
         # (A zero-bubble schedule's count is only known from its simulation: 1, a lower bound.)
         inflight = 1 if name in ZERO_BUBBLE else min(num_warmup_microbatches(name, rank, layout.pp, M, V) + 1, M * V)

@@ -56,6 +56,7 @@ class StepEstimate:
     memory: list[MemoryBreakdown]  # per pipeline rank
     pipeline: PipelineTiming
     warnings: list[str] = field(default_factory=list)
+    host_wait_s: float = 0.0  # the critical rank's GPU waiting for the host's launches (in compute_s's actions)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -88,7 +89,8 @@ class StepEstimate:
             "mfu": self.tflops_per_gpu / self.cluster.gemm.peak_tflops,
             "peak_memory_gb": self.peak_memory_gib, "fits": self.fits,
             "step_breakdown_s": {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "pp_comm": self.pp_comm_s,
-                                 "bubble": self.bubble_s, "dp_comm": self.dp_comm_s, "optimizer": self.optimizer_s},
+                                 "bubble": self.bubble_s, "dp_comm": self.dp_comm_s, "optimizer": self.optimizer_s,
+                                 "host_wait": self.host_wait_s},
             "memory_gb_per_stage": [mem.as_gib() for mem in self.memory],
             "warnings": self.warnings,
         }
@@ -129,8 +131,17 @@ def _run(name: str, P: int, M: int, V: int, costs: StageTimes, comm: float, shap
 
 
 def schedule_times(cost: PassCost) -> tuple[float, float, float]:
-    """(F, B, W) seconds per microbatch: W the weight-gradient GEMMs, B the rest of the backward."""
-    return cost.forward, cost.backward - cost.bwd_weight, cost.bwd_weight
+    """(F, B, W) seconds per microbatch: W the weight-gradient GEMMs, B the rest of the backward. Where the
+    host takes longer to launch them than the GPU to run them, the GPU waits: the three stretch to the host's
+    time, in proportion (the host's launches follow the same kernels)."""
+    times = (cost.forward, cost.backward - cost.bwd_weight, cost.bwd_weight)
+    stretch = max(1.0, cost.host / sum(times)) if sum(times) > 0 else 1.0
+    return tuple(t * stretch for t in times)
+
+
+def host_wait(cost: PassCost) -> float:
+    """Seconds per microbatch the GPU waits for the host's launches (0 where the GPU is the slower)."""
+    return max(0.0, cost.host - cost.forward - cost.backward)
 
 
 def simulate_pipeline(name: str, P: int, M: int, V: int, costs: StageTimes, comm: float,
@@ -234,8 +245,12 @@ def estimate(model: ModelSpec, layout: Layout, cluster: ClusterSpec, breakdown: 
     bubble = max(0.0, timing.finish[crit] - pp_comm - timing.busy[crit])
     memory = [memory_breakdown(model, layout, rank, timing.peak_inflight[rank],
                                [a for _, _, a in timing.sim.timelines[rank]]) for rank in range(P)]
+    waiting = M * sum(host_wait(c) for c in costs[crit])
+    if waiting > 0.05 * step:
+        warnings.append(f"host-bound: the GPU waits {waiting:.3f} s of the step for the host's kernel launches "
+                        "(a larger --micro-batch-size gives each launch more work)")
     return StepEstimate(model, layout, cluster, step, compute, tp_comm, pp_comm, bubble, dp_s, opt_s, memory,
-                        timing, warnings)
+                        timing, warnings, waiting)
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Optional[StepEstimate]:
