@@ -28,7 +28,12 @@ def test_kernel_classes():
 def test_breakdown_counts_exposed_communication_and_idle():
     cpu_op = SimpleNamespace(name="aten::mm", device_type=torch.autograd.DeviceType.CPU,
                              time_range=SimpleNamespace(start=0, end=10_000))
-    prof = SimpleNamespace(events=lambda: [
+    launch = SimpleNamespace(name="cudaLaunchKernel", device_type=torch.autograd.DeviceType.CPU,
+                             time_range=SimpleNamespace(start=0, end=5))
+    host_rows = [SimpleNamespace(key="cudaLaunchKernel", self_cpu_time_total=1500.0),
+                 SimpleNamespace(key="aten::mm", self_cpu_time_total=3000.0)]
+    prof = SimpleNamespace(key_averages=lambda: host_rows, events=lambda: [
+        launch, launch,                          # the host's launches, counted
         _kernel("nvjet_gemm", 0, 1000),          # compute 0-1 ms
         _kernel("ncclAllGather", 500, 1500),     # comm 0.5-1.5: half beside the GEMM
         _kernel("flash_fwd", 2000, 2500),        # idle 1.5-2.0
@@ -44,6 +49,8 @@ def test_breakdown_counts_exposed_communication_and_idle():
     assert r["idle_ms"] == pytest.approx(0.5)
     assert r["nccl_overlap_fraction"] == pytest.approx(0.5)
     assert r["top_other_ms"] == {"elementwise": pytest.approx(0.6)}
+    assert list(r["top_host_ms"].items()) == [("aten::mm", 3.0), ("cudaLaunchKernel", 1.5)]  # most host time first
+    assert r["kernel_launches"] == 2
     assert kernel_breakdown(SimpleNamespace(events=lambda: [cpu_op])) == {}
 
 
