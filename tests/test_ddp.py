@@ -491,3 +491,24 @@ def test_check_for_nan_in_grad_names_the_parameter():
     ((ddp2(x) - t) ** 2).mean().backward()
     ddp2.finish_grad_sync()
 
+
+
+def test_a_dropped_ddp_is_freed_at_once_not_at_interpreter_shutdown():
+    """No reference cycle through the parameters' hooks (which the garbage collector cannot see, as they pass
+    through C++ tensors): once the caller drops the model, the DDP object and the process groups it holds go
+    at once, not at interpreter shutdown, where gloo's worker threads aborted the process now and then."""
+    import gc
+    import weakref
+
+    gc.disable()  # freed by reference counting alone, as at the end of a script
+    try:
+        model = dense_init(1, 0)
+        ddp = DistributedDataParallel(model, DistributedDataParallelConfig())
+        x, t, _ = global_data(0, B_MICRO)
+        ((ddp(x) - t) ** 2).mean().backward()  # the hooks have run: the DDP and the parameters know each other
+        ddp.finish_grad_sync()
+        gone = weakref.ref(ddp)
+        del ddp, model
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,17 @@ from parallel3d.model_chunk import is_first_stage_chunk, is_last_stage_chunk, se
 
 from ..collectives import reduce_scatter_tensor
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer, backend_is_nccl
+
+
+def _weak_method(method: Callable) -> Callable:
+    """``method`` (a bound method) called through a weak reference to its object: a no-op once that is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
 
 
 @dataclass
@@ -134,12 +146,18 @@ class DistributedDataParallel(nn.Module):
         self.comm_events: Optional[list] = None
         self._synced = False  # finish_grad_sync() ran; zero_grad_buffer() re-arms
         self._hook_handles = []
+        # The parameters reach this object through a weak reference. A strong one (a bound method in a tensor's
+        # hooks) is a cycle through the C++ tensor that the garbage collector cannot see: it kept the model, and
+        # with it the process groups and their gloo worker threads, alive into interpreter shutdown, where a
+        # worker releasing a tensor needs the GIL and the process aborted ("terminate called without an active
+        # exception", about 1 run in 20 of the 8-process demo, after its last line).
+        on_grad_ready = _weak_method(self._on_grad_ready)
         for p in params:
             p.grad_added_to_main_grad = False
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(on_grad_ready))
             # A zero-bubble W step calls this once a weight's deferred GEMMs have all run
             # (parallel3d.tensor_parallel.wgrad_store): that, not its B, makes the weight ready.
-            p.deferred_grad_ready = self._on_grad_ready
+            p.deferred_grad_ready = on_grad_ready
 
     # ------------------------------------------------------------------ hooks and communication
     @torch.no_grad()
