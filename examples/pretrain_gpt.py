@@ -51,7 +51,7 @@ from parallel3d.data import (  # noqa: E402
     build_train_valid_test_datasets,
 )
 from parallel3d.models.generation import generate  # noqa: E402
-from parallel3d.lifetime import exit_with_launcher  # noqa: E402
+from parallel3d.lifetime import exit_after_run, exit_with_launcher  # noqa: E402
 from parallel3d.training import initialize_distributed, is_last_rank, pretrain, print_rank_0  # noqa: E402
 from parallel3d.training.training_config import TrainingConfig  # noqa: E402
 from parallel3d.training.training_guards import errors_as_one_line  # noqa: E402
@@ -180,3 +180,4 @@ def _train(args: argparse.Namespace, training_config: TrainingConfig, tokenizer,
 
 if __name__ == "__main__":
     main()
+    exit_after_run(0)  # an error has already exited (1) through report_bad_input or the one-line handler

@@ -135,3 +135,18 @@ def test_the_test_harness_workers_die_with_a_killed_test_process(tmp_path):
                 os.kill(pid, signal.SIGKILL)
         if harness.poll() is None:
             harness.kill()
+
+
+def test_a_finished_script_exits_with_its_code_and_its_output_flushed():
+    """exit_after_run: no interpreter finalization (where gloo's worker threads aborted finished runs now and
+    then), the status given, and what was printed, unflushed, still reaches the pipe."""
+    code = textwrap.dedent("""
+        import sys, threading
+        from parallel3d.lifetime import exit_after_run
+        print("last line", end="")                  # no newline: still in the buffer
+        sys.stderr.write("last error line")
+        threading.Thread(target=threading.Event().wait, daemon=False).start()  # would block a normal exit
+        exit_after_run(3)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and proc.stdout == "last line" and proc.stderr == "last error line", proc

@@ -47,7 +47,7 @@ from parallel3d.training.checkpointing import (  # noqa: E402
     open_checkpoint,
 )
 from parallel3d.data import build_tokenizer  # noqa: E402
-from parallel3d.lifetime import exit_with_launcher  # noqa: E402
+from parallel3d.lifetime import exit_after_run, exit_with_launcher  # noqa: E402
 from parallel3d.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
 from parallel3d.models.generation import check_generation_args, generate  # noqa: E402
 from parallel3d.pipeline.partition import partition_layers  # noqa: E402
@@ -242,4 +242,4 @@ def cli() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    exit_after_run(cli())
