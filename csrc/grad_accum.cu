@@ -37,9 +37,9 @@ cudaDataType_t cuda_dtype(at::ScalarType t) {
   return CUDA_R_32F;
 }
 
-void check_cublas(cublasStatus_t st, const char* what) {
-  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, "wgrad_gemm_accum_fp32: ", what, " failed with cuBLAS status ",
-              static_cast<int>(st));
+// One check for both entry points: ``op`` names the caller in the error.
+void check_cublas(cublasStatus_t st, const char* op, const char* what) {
+  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, op, ": ", what, " failed with cuBLAS status ", static_cast<int>(st));
 }
 
 }  // namespace
@@ -77,16 +77,16 @@ void wgrad_gemm_accum_fp32(const at::Tensor& input, const at::Tensor& grad_outpu
   const bool fp32 = input.scalar_type() == at::kFloat;
   cublasMath_t old_mode = CUBLAS_DEFAULT_MATH;
   if (fp32) {
-    check_cublas(cublasGetMathMode(handle, &old_mode), "cublasGetMathMode");
-    check_cublas(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+    check_cublas(cublasGetMathMode(handle, &old_mode), "wgrad_gemm_accum_fp32", "cublasGetMathMode");
+    check_cublas(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "wgrad_gemm_accum_fp32", "cublasSetMathMode");
   }
   const cublasStatus_t st = cublasGemmEx(
       handle, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(in), static_cast<int>(out), static_cast<int>(n),
       &alpha, input.data_ptr(), ab, static_cast<int>(input.stride(0)), grad_output.data_ptr(), ab,
       static_cast<int>(grad_output.stride(0)), &beta, main_grad.data_ptr(), CUDA_R_32F,
       static_cast<int>(in), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  if (fp32) check_cublas(cublasSetMathMode(handle, old_mode), "cublasSetMathMode");
-  check_cublas(st, "cublasGemmEx");
+  if (fp32) check_cublas(cublasSetMathMode(handle, old_mode), "wgrad_gemm_accum_fp32", "cublasSetMathMode");
+  check_cublas(st, "wgrad_gemm_accum_fp32", "cublasGemmEx");
 }
 
 // ---- FP8: main_grad[out, in] += (a[out, K] @ b[in, K]^T) * a_scale_inv * b_scale_inv -------------
@@ -107,10 +107,7 @@ cudaDataType_t fp8_dtype(at::ScalarType t) {
   return CUDA_R_8F_E4M3;
 }
 
-void check_lt(cublasStatus_t st, const char* what) {
-  TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, "wgrad_gemm_accum_fp8: ", what, " failed with cuBLAS status ",
-              static_cast<int>(st));
-}
+void check_lt(cublasStatus_t st, const char* what) { check_cublas(st, "wgrad_gemm_accum_fp8", what); }
 
 constexpr size_t kLtWorkspace = size_t(32) << 20;  // cuBLASLt's recommendation for Hopper
 
