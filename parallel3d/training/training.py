@@ -27,6 +27,7 @@ from parallel3d.device import default_device
 from parallel3d.distributed_timeout import CommunicationError
 from parallel3d.distributed import get_megatron_optimizer
 from parallel3d.training.checkpoint_lock import save_dir_guard
+from parallel3d.training.cuda_graphs import capture_cuda_graphs
 from parallel3d.training.data_iterators import build_data_iterators
 from parallel3d.training.evaluation import evaluate
 from parallel3d.training.initialize import get_model, get_optimizer_param_scheduler, print_rank_0
@@ -98,6 +99,9 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
     duration = DurationLimit(loop.exit_duration_in_mins)
     for chunk in model:
         chunk.train()
+    first_iteration = iteration
+    graphs_after = getattr(model_config, "cuda_graph_warmup_steps", 0) if getattr(model_config, "enable_cuda_graph",
+                                                                                  False) else 0
     while iteration < loop.train_iters:
         step_config = config.at_consumed(consumed_train)  # --rampup-batch-size: this iteration's global batch
         layout = step_config.layout
@@ -110,6 +114,9 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
         bad = guard.check(iteration + 1, loss, grad_norm, skipped, model, scaler.scale if scaler else None)
         iteration += 1
         consumed_train += layout.global_batch_size
+        if graphs_after and iteration - first_iteration == graphs_after:  # between steps: see cuda_graphs.py
+            count = capture_cuda_graphs(model, layout.micro_batch_size)
+            print_rank_0(f"captured the CUDA graphs of {count} transformer layers after {graphs_after} eager steps")
         history.append(loss)
         grad_norms.append(grad_norm)
         logger.record(loss, skipped)

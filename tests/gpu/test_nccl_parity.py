@@ -37,7 +37,11 @@ LAYOUTS = {
         "pp2-zbv": (1, 2, 2, False, ["--pipeline-schedule", "zb-v", "--overlap-grad-reduce"]),
         "dp2-overlap": (1, 1, None, False, ["--overlap-grad-reduce"]),
         "dp2-zero1": (1, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
-        "tp2-sp-compile": (2, 1, None, True, ["--compile"])},  # Inductor's kernels beside the NCCL linears
+        "tp2-sp-compile": (2, 1, None, True, ["--compile"]),  # Inductor's kernels beside the NCCL linears
+        # the layers replayed as CUDA graphs from the second step (the fused wgrad's flag, the DDP hooks)
+        "tp2-sp-graph": (2, 1, None, True, ["--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"]),
+        "dp2-overlap-graph": (1, 1, None, False, ["--overlap-grad-reduce", "--enable-cuda-graph",
+                                                  "--cuda-graph-warmup-steps", "1"])},
     4: {"tp2-pp2-v2-sp": (2, 2, 2, True, []),
         "tp2-dp2": (2, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
         "pp2-dp2": (1, 2, None, False, ["--use-distributed-optimizer"]),
