@@ -81,3 +81,62 @@ def test_the_block_replays_the_captured_forward_only_and_keeps_its_state_dict():
     model.eval()
     model(ids, None)  # and evaluation with gradients on
     assert graphs.replayed == [0, 1]
+
+
+def _fake_capture(blocks, fail_after=None):
+    """Stands in for capture_cuda_graphs (CUDA only): puts a _Recording on every block, which raises at replay
+    number ``fail_after`` (a failed step) if given."""
+    def capture(model, micro_batch_size):
+        from parallel3d.training.cuda_graphs import _blocks
+
+        for _, block in _blocks(model):
+            shape = (block.config.seq_length, micro_batch_size, block.config.hidden_size)
+            recording = _Recording(block, shape)
+            if fail_after is not None:
+                layer = recording.layer
+
+                def failing(index, hidden_states, layer=layer, recording=recording):
+                    if len(recording.replayed) == fail_after:
+                        raise RuntimeError("a failed step")
+                    return layer(index, hidden_states)
+
+                recording.layer = failing
+            block.cuda_graphs = recording
+            blocks.append((block, recording))
+        return len(blocks)
+
+    return capture
+
+
+def test_training_replays_after_the_warmup_steps_and_releases_the_graphs_at_the_end(monkeypatch):
+    """pretrain captures after --cuda-graph-warmup-steps, every later training forward goes through the graphs,
+    the losses are the eager run's, and the graphs are released when the loop ends (NCCL cannot destroy a
+    communicator that a live graph captured)."""
+    from gpt_harness import GBS, ITERS, MBS, layout_args, train
+    from parallel3d.training import training
+
+    blocks = []
+    monkeypatch.setattr(training, "capture_cuda_graphs", _fake_capture(blocks))
+    args = layout_args("gpt2")
+    args.enable_cuda_graph, args.cuda_graph_warmup_steps = True, 1
+    graphed = train(args)
+    eager = train(layout_args("gpt2"))
+    assert graphed["losses"] == eager["losses"] and graphed["grad_norms"] == eager["grad_norms"]
+    ((block, recording),) = blocks
+    assert graphed["model"][0].module.decoder is block and block.cuda_graphs is None  # released
+    microbatches_after_capture = (ITERS - 1) * (GBS // MBS)
+    assert recording.replayed == list(range(len(block.layers))) * microbatches_after_capture
+
+
+def test_a_failed_step_still_releases_the_graphs(monkeypatch):
+    from gpt_harness import layout_args, train
+    from parallel3d.training import training
+
+    blocks = []
+    monkeypatch.setattr(training, "capture_cuda_graphs", _fake_capture(blocks, fail_after=3))
+    args = layout_args("gpt2")
+    args.enable_cuda_graph, args.cuda_graph_warmup_steps = True, 1
+    with pytest.raises(RuntimeError, match="a failed step"):
+        train(args)
+    ((block, recording),) = blocks
+    assert block.cuda_graphs is None and len(recording.replayed) == 3
