@@ -258,6 +258,10 @@ def main(argv=None) -> None:
 
     times = []
     for i in range(bench.warmup + bench.iters):
+        if i == bench.warmup and config.enable_cuda_graph:  # after the warm-up steps, whatever --cuda-graph-warmup-steps
+            from parallel3d.training.cuda_graphs import capture_cuda_graphs
+
+            capture_cuda_graphs(model, args.micro_batch_size)
         sync()
         t0 = time.perf_counter()
         train_step(forward_step, iterators, model, optimizer, scheduler, training_config, schedule=bench.schedule)
@@ -284,7 +288,7 @@ def main(argv=None) -> None:
         "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else None,
         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries") if torch.cuda.is_available() else None,
-        "sm_carveout": bench.sm_carveout, **fp8_settings(args),
+        "sm_carveout": bench.sm_carveout, "cuda_graph": config.enable_cuda_graph, **fp8_settings(args),
         "fp8_disabled": bench.fp8_disable,
     }
 

@@ -11,6 +11,8 @@
 #                                                   --fp8-disable)
 #   bash bench/run_gpu_benches.sh fp8-convergence  (one GPU: bench/fp8_convergence.py, FP8 against bf16)
 #   bash bench/run_gpu_benches.sh fp8-tests        (tests/gpu/test_fp8_speedups.py, test_fp8_parity.py: 1 GPU, and 2 where present)
+#   bash bench/run_gpu_benches.sh graphs           (--enable-cuda-graph: the graph layouts against one GPU, then
+#                                                   LAYOUTS, e.g. "tp2-dp2 tp2-dp2-graph 7b-tp4 7b-tp4-graph" on 4 GPUs)
 # PARALLEL3D_JIT=1 (set here) builds csrc/ once into ~/.cache; the GPT runs then use the kernels.
 # Needs .whl/ with the megatron-core wheel and the anchor scripts (see ../shared/anchors/README.md), and
 # .whl/titan/ for the torchtitan row of "single" (bench/fetch_titan_wheels.sh); .whl/torchao-*.whl for FP8.
@@ -48,9 +50,12 @@ for what in "$@"; do
            ${FP8_RECIPES:+--recipes $FP8_RECIPES} ${FP8_WITHOUT:+--fp8-without $FP8_WITHOUT} \
            --gpus ${FP8_GPUS:-1} --budget-s $(( ${FP8_BUDGET_S:-510} - SECONDS )) ;;
     fp8-convergence) python3 bench/fp8_convergence.py --out "$OUT" ;;
+    graphs) timeout 300 python3 -m pytest -q -rs tests/gpu/test_nccl_parity.py -k "graph" 2>&1 | tee "$OUT/graph_tests.log" | tail -n 15
+            python3 bench/layouts_bench.py --runs ${LAYOUTS:-1gpu tp2-sp tp2-sp-graph llama-tp2-sp llama-tp2-sp-graph} \
+              --timeout 110 --out "$OUT" ;;
     fp8-tests) timeout 480 python3 -m pytest -q -rs tests/gpu/test_fp8_speedups.py tests/gpu/test_fp8_parity.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -n 40 ;;
     *) echo "unknown benchmark $what (fused-tests, single, ddp, pipeline, kernels, nccl, planner, layouts, fp8," \
-            "fp8-convergence, fp8-tests)"; exit 2 ;;
+            "fp8-convergence, fp8-tests, graphs)"; exit 2 ;;
   esac
 done
 # At most a few files come back from the device machine: pack the logs into one.

@@ -74,11 +74,20 @@ class TransformerBlock(nn.Module):
             for layer in layers:
                 compile_layer(layer, config)
         self.final_layernorm = Norm(config, config.hidden_size) if post_process else None
+        # --enable-cuda-graph: the captured layers (parallel3d.training.cuda_graphs.LayerGraphs), set after the
+        # warm-up steps; a plain attribute, not a submodule, so the state dict is the same with and without.
+        self.__dict__["cuda_graphs"] = None
 
     def _run(self, start: int, end: int) -> Callable:
         def run(hidden_states, attention_mask, rotary_pos_emb, inference_params=None):
-            for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb, inference_params)
+            graphs = self.cuda_graphs if self.training else None
+            for index in range(start, end):
+                if graphs is not None and graphs.replays(hidden_states, attention_mask, rotary_pos_emb,
+                                                         inference_params):
+                    hidden_states = graphs.layer(index, hidden_states)
+                else:
+                    hidden_states = self.layers[index](hidden_states, attention_mask, rotary_pos_emb,
+                                                       inference_params)
             return hidden_states
 
         return run

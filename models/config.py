@@ -146,6 +146,10 @@ class TransformerConfig:
     # (outside the layers; its kernel beat Inductor's, BENCHMARKS.md) stay eager.
     compile_layers: bool = False
     compile_backend: str = "inductor"  # torch.compile's backend ("aot_eager": trace only, for tests)
+    # Megatron's CUDA graphs: each layer's forward and backward captured after this many eager training steps
+    # and replayed (parallel3d/training/cuda_graphs.py); what a graph cannot hold is refused below.
+    enable_cuda_graph: bool = False
+    cuda_graph_warmup_steps: int = 3
 
     # --- training (Megatron-Core reads it from the model config: DDP's gradient scaling, the schedules) ---
     calculate_per_token_loss: bool = False  # average over every token of the step, not per microbatch
@@ -217,6 +221,7 @@ class TransformerConfig:
         self._fp8 = Fp8Recipe.from_config(self)  # checked now, before any parameter exists
         self._check_tensor_parallel()
         self._check_pipeline_split()
+        self._check_cuda_graph()
 
     # --- checks ---------------------------------------------------------------------------------
     def _check_precision(self) -> None:
@@ -237,6 +242,26 @@ class TransformerConfig:
                 f"params_dtype={dtype} contradicts {'bf16' if self.bf16 else 'fp16'}=True (which means {wanted})"
             )
         self.params_dtype = dtype
+
+    def _check_cuda_graph(self) -> None:
+        """What a captured layer cannot hold: random numbers drawn in Python (dropout's RNG tracker), a second
+        forward inside backward (recompute), FP8's Python-side scaling state, Inductor's own graphs, and the
+        activations of more than one micro-batch in flight (pipeline schedules)."""
+        if not self.enable_cuda_graph:
+            return
+        if not isinstance(self.cuda_graph_warmup_steps, int) or self.cuda_graph_warmup_steps < 1:
+            raise ValueError(f"cuda_graph_warmup_steps must be a positive integer, got {self.cuda_graph_warmup_steps!r}")
+        refused = {
+            "hidden_dropout / attention_dropout > 0 (set both to 0)": self.hidden_dropout > 0 or self.attention_dropout > 0,
+            "recompute_granularity (drop recomputation)": self.recompute_granularity is not None,
+            "fp8 (train in bf16)": self.fp8 is not None,
+            "compile_layers (--compile: choose one)": self.compile_layers,
+            "pipeline_model_parallel_size > 1 (several micro-batches in flight)": self.pipeline_model_parallel_size > 1,
+        }
+        named = [name for name, bad in refused.items() if bad]
+        if named:
+            raise ValueError(f"enable_cuda_graph is not supported with {'; '.join(named)}: a captured layer replays "
+                             "one micro-batch's fixed kernels")
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size

@@ -3,10 +3,26 @@ machine, with gloo ranks; their single-process references are then exact, and a 
 passes them as CI does. tests/gpu proves the same on CUDA with NCCL, one process per GPU, and starts
 its processes with PARALLEL3D_DEVICE=cuda."""
 import os
+import signal
 
 os.environ["PARALLEL3D_DEVICE"] = "cpu"
 
 import pytest  # noqa: E402
+
+_PYTEST_PID = os.getpid()
+
+
+def _interrupt(signum, frame):
+    """SIGTERM (``timeout``, a batch system) stops pytest like Ctrl-C, so the tests' cleanup runs: a torchrun
+    job started in its own session (tests/torchrun.py) would otherwise keep the GPUs busy after pytest died."""
+    if os.getpid() != _PYTEST_PID:  # a forked worker inherited this handler: end it as SIGTERM would
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    raise KeyboardInterrupt(f"pytest received signal {signum}")
+
+
+signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture(autouse=True)

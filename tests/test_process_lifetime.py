@@ -16,6 +16,15 @@ TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2"
 DIE_WITHIN_S = 5.0
 
 
+def _kill(pids, proc: subprocess.Popen) -> None:
+    """A test's cleanup: whatever it started and is still alive."""
+    for pid in pids:
+        if torchrun.alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+
+
 def _gone_within(pids, seconds: float) -> list:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(torchrun.alive(p) for p in pids):
@@ -130,11 +139,7 @@ def test_the_test_harness_workers_die_with_a_killed_test_process(tmp_path):
         left = _gone_within(pids, DIE_WITHIN_S)
         assert not left, f"harness workers {left} outlived the killed test process by {DIE_WITHIN_S} s"
     finally:
-        for pid in pids:
-            if torchrun.alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        if harness.poll() is None:
-            harness.kill()
+        _kill(pids, harness)
 
 
 def test_a_finished_script_exits_with_its_code_and_its_output_flushed():
@@ -150,3 +155,33 @@ def test_a_finished_script_exits_with_its_code_and_its_output_flushed():
     """)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3 and proc.stdout == "last line" and proc.stderr == "last error line", proc
+
+
+def test_a_terminated_pytest_takes_its_torchrun_jobs_with_it(tmp_path):
+    """SIGTERM to pytest (what ``timeout`` sends) ends the torchrun job a test started through tests/torchrun.py:
+    the job runs in its own session, and once outlived a killed pytest, busying the GPUs of the next run."""
+    (tmp_path / "sleeper.py").write_text("import os, sys, time\n"
+                                         "open(sys.argv[1] + '.tmp', 'w').write(f'{os.getppid()} {os.getpid()}')\n"
+                                         "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\ntime.sleep(600)\n")
+    pids_file = tmp_path / "pids"
+    (tmp_path / "test_job.py").write_text(
+        "import torchrun\n\ndef test_job():\n"
+        f"    torchrun.run(1, [{str(tmp_path / 'sleeper.py')!r}, {str(pids_file)!r}], timeout=600)\n")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, ROOT]))
+    pytest_proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                                    str(tmp_path / "test_job.py")], cwd=tmp_path, env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while not pids_file.exists() and time.monotonic() < deadline and pytest_proc.poll() is None:
+            time.sleep(0.2)
+        assert pids_file.exists(), "the torchrun job did not start"
+        pids = [int(p) for p in pids_file.read_text().split()]  # torchrun's agent, its worker
+        pytest_proc.send_signal(signal.SIGTERM)
+        pytest_proc.wait(timeout=30)
+        left = _gone_within(pids[:1], DIE_WITHIN_S)
+        assert not left, f"torchrun {left} outlived the SIGTERMed pytest by {DIE_WITHIN_S} s"
+    finally:
+        _kill(pids, pytest_proc)

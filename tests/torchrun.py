@@ -60,8 +60,11 @@ def run(nproc: int, argv: list, timeout: float, env: dict | None = None) -> Laun
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and all its workers
-        proc.wait()
+        pass
+    finally:  # past the timeout, or pytest itself interrupted (tests/conftest.py): no job outlives its test
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and all its workers
+            proc.wait()
     exited_at = time.monotonic() - start
     reader.join(timeout=10)
     return Launch(proc.returncode, lines, exited_at)

@@ -97,6 +97,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--sequence-parallel", action="store_true")
     t.add_argument("--use-distributed-optimizer", action="store_true")
     t.add_argument("--overlap-grad-reduce", action="store_true")
+    t.add_argument("--enable-cuda-graph", action="store_true", help="the layers replayed as CUDA graphs (PP=1)")
     t.add_argument("--bf16", action="store_true", default=True, help="bf16 params, fp32 grads/masters (default)")
     t.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 everything")
     t.add_argument("--fp16", dest="bf16", action="store_true", help="as --bf16: the same bytes per value")
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         num_gpus = args.num_gpus or cluster.num_gpus
         rc = None if args.recompute_granularity in (None, "none") else args.recompute_granularity
         base = Layout(global_batch_size=args.global_batch_size, bf16=args.bf16,
-                      overlap_grad_reduce=args.overlap_grad_reduce, pipeline_split=args.pipeline_split)
+                      overlap_grad_reduce=args.overlap_grad_reduce, pipeline_split=args.pipeline_split,
+                      enable_cuda_graph=args.enable_cuda_graph)
         given = {k: getattr(args, k) for k in LAYOUT_FLAGS if getattr(args, k) is not None}
         if args.tensor_model_parallel_size or args.pipeline_model_parallel_size:  # evaluate mode
             tp, pp = args.tensor_model_parallel_size or 1, args.pipeline_model_parallel_size or 1

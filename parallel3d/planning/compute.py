@@ -184,7 +184,9 @@ def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCo
         comm_bwd = _exposed(cluster, ar, wgrad_qkv) + _exposed(cluster, ar, wgrad_fc1)
     if layout.recompute_granularity == "full":
         comm_bwd += comm_fwd  # the recomputed forward communicates again
-    return PassCost(fwd, bwd_in, bwd_w, recompute, comm_fwd, comm_bwd, cluster.host_layer_us * 1e-6)
+    # The host's launches: eager, or (CUDA graphs) one replay for the forward and one for the backward
+    host = 2 * cluster.kernel_launch_us if layout.enable_cuda_graph else cluster.host_layer_us
+    return PassCost(fwd, bwd_in, bwd_w, recompute, comm_fwd, comm_bwd, host * 1e-6)
 
 
 def _layer_elementwise(model: ModelSpec, layout: Layout, forward: bool) -> float:

@@ -139,6 +139,7 @@ class Layout:
     scatter_gather_p2p: bool = False  # SC21's pipeline send of 1/TP per rank + all-gather inside the node
     pipeline_schedule: Optional[str] = None  # --pipeline-schedule; None: Megatron's 1f1b / interleaved-1f1b
     pipeline_split: str = "balanced"  # --pipeline-split: layers per stage as parallel3d.pipeline.layout splits them
+    enable_cuda_graph: bool = False  # --enable-cuda-graph: each layer's launches replayed (the host's share priced)
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule is not None and self.pipeline_schedule not in SCHEDULE_NAMES:
@@ -162,7 +163,8 @@ class Layout:
             use_distributed_optimizer=bool(args.use_distributed_optimizer),
             overlap_grad_reduce=bool(args.overlap_grad_reduce), bf16=bool(args.bf16),
             pipeline_schedule=getattr(args, "pipeline_schedule", None),
-            pipeline_split=getattr(args, "pipeline_split", "balanced"))
+            pipeline_split=getattr(args, "pipeline_split", "balanced"),
+            enable_cuda_graph=bool(getattr(args, "enable_cuda_graph", False)))
         fields.update(overrides)
         return cls(**fields)
 
@@ -212,6 +214,8 @@ class Layout:
             parts.append("SP")
         if self.use_distributed_optimizer:
             parts.append("ZeRO-1")
+        if self.enable_cuda_graph:
+            parts.append("CUDA graphs")
         return " ".join(parts)
 
     def check(self, model: ModelSpec) -> None:
@@ -233,6 +237,10 @@ class Layout:
                              f"--pipeline-model-parallel-size {self.pp}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.enable_cuda_graph and (self.pp > 1 or self.recompute_granularity or model.hidden_dropout > 0):
+            # training's rule (TransformerConfig._check_cuda_graph), on the fields a plan knows
+            raise ValueError("--enable-cuda-graph needs --pipeline-model-parallel-size 1, no recomputation and "
+                             "--hidden-dropout 0")
         if self.num_layers_per_virtual_pipeline_stage:
             per = self.num_layers_per_virtual_pipeline_stage
             if self.pp < 2 or model.num_layers % (self.pp * per):

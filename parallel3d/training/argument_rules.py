@@ -67,7 +67,7 @@ _RANGES: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...] = (
       "num_layers_per_virtual_pipeline_stage", "virtual_pipeline_model_parallel_size",
       "microbatch_group_size_per_vp_stage", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
       "ddp_bucket_size", "exit_interval", "save_interval", "lr_wsd_decay_iters", "vocab_size", "train_samples",
-      "lr_decay_samples", "lr_wsd_decay_samples"),
+      "lr_decay_samples", "lr_wsd_decay_samples", "cuda_graph_warmup_steps"),
      lambda v: v >= 1, ">= 1"),
     (("lr", "min_lr", "lr_warmup_iters", "weight_decay", "sgd_momentum", "num_workers", "eval_iters",
       "skip_nonfinite_iters", "max_consecutive_skipped_iters", "lr_warmup_samples"),

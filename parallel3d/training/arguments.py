@@ -79,6 +79,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "(the tensor-parallel linears stay eager); off by default: BENCHMARKS.md has the measurements")
     g.add_argument("--compile-backend", default="inductor",
                    help="torch.compile's backend with --compile (torchtitan's compile.backend)")
+    g.add_argument("--enable-cuda-graph", action="store_true", help="capture each transformer layer's forward "
+                   "and backward as CUDA graphs and replay them (Megatron's; CUDA, bf16/fp32, no dropout, "
+                   "recompute, FP8, --compile or pipeline parallelism)")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                   help="eager training steps before the capture (Megatron's)")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -334,6 +339,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
             raise ArgumentError(f"--compile-backend {args.compile_backend!r} is not a torch.compile backend; use "
                                 f"one of {', '.join(torch._dynamo.list_backends())} (default inductor)")
+    if args.enable_cuda_graph:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ArgumentError("--enable-cuda-graph needs a CUDA device (no GPU is visible): omit the flag")
     if not args.group_query_attention:
         args.num_query_groups = None
     try:

@@ -80,6 +80,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         bias_activation_fusion=args.bias_gelu_fusion and args.bias_swiglu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
         apply_rope_fusion=args.apply_rope_fusion, compile_layers=args.compile, compile_backend=args.compile_backend,
+        enable_cuda_graph=args.enable_cuda_graph, cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         calculate_per_token_loss=args.calculate_per_token_loss,
         fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
         fp8_amax_history_len=args.fp8_amax_history_len, fp8_amax_compute_algo=args.fp8_amax_compute_algo,

@@ -27,6 +27,7 @@ from parallel3d.device import default_device
 from parallel3d.distributed_timeout import CommunicationError
 from parallel3d.distributed import get_megatron_optimizer
 from parallel3d.training.checkpoint_lock import save_dir_guard
+from parallel3d.training.cuda_graphs import capture_cuda_graphs, release_cuda_graphs
 from parallel3d.training.data_iterators import build_data_iterators
 from parallel3d.training.evaluation import evaluate
 from parallel3d.training.initialize import get_model, get_optimizer_param_scheduler, print_rank_0
@@ -98,44 +99,56 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
     duration = DurationLimit(loop.exit_duration_in_mins)
     for chunk in model:
         chunk.train()
-    while iteration < loop.train_iters:
-        step_config = config.at_consumed(consumed_train)  # --rampup-batch-size: this iteration's global batch
-        layout = step_config.layout
-        try:
-            loss, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler,
-                                                  step_config, average_losses=train_losses)
-        except CommunicationError as e:
-            raise CommunicationError(f"iteration {iteration + 1}: {e}") from e
-        scaler = getattr(optimizer, "grad_scaler", None)  # its scale is a host float: no sync
-        bad = guard.check(iteration + 1, loss, grad_norm, skipped, model, scaler.scale if scaler else None)
-        iteration += 1
-        consumed_train += layout.global_batch_size
-        history.append(loss)
-        grad_norms.append(grad_norm)
-        logger.record(loss, skipped)
-        # iteration 1 too: a loss curve starts at the untrained model's loss
-        if iteration % config.logging.log_interval == 0 or iteration in (1, loop.train_iters):
-            scale = optimizer.get_loss_scale() if loop.fp16 else None
-            logger.log(iteration, optimizer.param_groups[0]["lr"], grad_norm,
-                       float(scale) if scale is not None else None, layout, consumed_train)
-        if any(v is not None for v in valid_iter) and loop.eval_interval and iteration % loop.eval_interval == 0:
-            logger.log_eval(iteration, evaluate(forward_step_func, valid_iter, model, step_config, eval_losses),
-                            consumed_train)
-            consumed_valid += loop.eval_iters * layout.global_batch_size
-        if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0 and not bad:
-            save(iteration)
-            last_saved = iteration
-        if loop.exit_interval and iteration % loop.exit_interval == 0:
-            break
-        if duration.reached():
-            print_rank_0(f"exiting after iteration {iteration}: --exit-duration-in-mins {loop.exit_duration_in_mins} "
-                         "reached" + ("" if ckpt.save else "; no --save, so nothing is saved"))
-            break
-        if exit_signal is not None and exit_signal.should_exit():
-            print_rank_0(f"exiting after iteration {iteration}: received SIGTERM (--exit-signal-handler)"
-                         + ("" if ckpt.save else "; no --save, so nothing is saved"))
-            stopped_by_signal = True
-            break
+    first_iteration = iteration
+    graphs_after = getattr(model_config, "cuda_graph_warmup_steps", 0) if getattr(model_config, "enable_cuda_graph",
+                                                                                  False) else 0
+    try:
+        while iteration < loop.train_iters:
+            step_config = config.at_consumed(consumed_train)  # --rampup-batch-size: this iteration's global batch
+            layout = step_config.layout
+            try:
+                loss, skipped, grad_norm = train_step(forward_step_func, train_iter, model, optimizer, scheduler,
+                                                      step_config, average_losses=train_losses)
+            except CommunicationError as e:
+                raise CommunicationError(f"iteration {iteration + 1}: {e}") from e
+            scaler = getattr(optimizer, "grad_scaler", None)  # its scale is a host float: no sync
+            bad = guard.check(iteration + 1, loss, grad_norm, skipped, model, scaler.scale if scaler else None)
+            iteration += 1
+            consumed_train += layout.global_batch_size
+            if graphs_after and iteration - first_iteration == graphs_after:  # between steps: see cuda_graphs.py
+                count = capture_cuda_graphs(model, layout.micro_batch_size)
+                print_rank_0(f"captured the CUDA graphs of {count} transformer layers after {graphs_after} eager steps")
+            history.append(loss)
+            grad_norms.append(grad_norm)
+            logger.record(loss, skipped)
+            # iteration 1 too: a loss curve starts at the untrained model's loss
+            if iteration % config.logging.log_interval == 0 or iteration in (1, loop.train_iters):
+                scale = optimizer.get_loss_scale() if loop.fp16 else None
+                logger.log(iteration, optimizer.param_groups[0]["lr"], grad_norm,
+                           float(scale) if scale is not None else None, layout, consumed_train)
+            if any(v is not None for v in valid_iter) and loop.eval_interval and iteration % loop.eval_interval == 0:
+                logger.log_eval(iteration, evaluate(forward_step_func, valid_iter, model, step_config, eval_losses),
+                                consumed_train)
+                consumed_valid += loop.eval_iters * layout.global_batch_size
+            if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0 and not bad:
+                save(iteration)
+                last_saved = iteration
+            if loop.exit_interval and iteration % loop.exit_interval == 0:
+                break
+            if duration.reached():
+                print_rank_0(f"exiting after iteration {iteration}: --exit-duration-in-mins "
+                             f"{loop.exit_duration_in_mins} reached"
+                             + ("" if ckpt.save else "; no --save, so nothing is saved"))
+                break
+            if exit_signal is not None and exit_signal.should_exit():
+                print_rank_0(f"exiting after iteration {iteration}: received SIGTERM (--exit-signal-handler)"
+                             + ("" if ckpt.save else "; no --save, so nothing is saved"))
+                stopped_by_signal = True
+                break
+    except BaseException:  # a failed step: the GPU may never finish, so do not wait for it
+        release_cuda_graphs(model, wait=False)
+        raise
+    release_cuda_graphs(model)  # before anyone destroys the process groups: see cuda_graphs.py
     if ckpt.save and last_saved != iteration:
         save(iteration)
     logger.close()

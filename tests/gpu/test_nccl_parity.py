@@ -37,7 +37,11 @@ LAYOUTS = {
         "pp2-zbv": (1, 2, 2, False, ["--pipeline-schedule", "zb-v", "--overlap-grad-reduce"]),
         "dp2-overlap": (1, 1, None, False, ["--overlap-grad-reduce"]),
         "dp2-zero1": (1, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
-        "tp2-sp-compile": (2, 1, None, True, ["--compile"])},  # Inductor's kernels beside the NCCL linears
+        "tp2-sp-compile": (2, 1, None, True, ["--compile"]),  # Inductor's kernels beside the NCCL linears
+        # the layers replayed as CUDA graphs from the second step (the fused wgrad's flag, the DDP hooks)
+        "tp2-sp-graph": (2, 1, None, True, ["--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"]),
+        "dp2-overlap-graph": (1, 1, None, False, ["--overlap-grad-reduce", "--enable-cuda-graph",
+                                                  "--cuda-graph-warmup-steps", "1"])},
     4: {"tp2-pp2-v2-sp": (2, 2, 2, True, []),
         "tp2-dp2": (2, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
         "pp2-dp2": (1, 2, None, False, ["--use-distributed-optimizer"]),
@@ -129,10 +133,22 @@ def gpu_out(tmp_path_factory):
     return out
 
 
+def _selected_cases(items, world):
+    """The cases of ``world`` GPUs that the selected tests check (``-k tp2-sp`` launches those alone); all of
+    them when only the exit-time test of that size is selected."""
+    def chosen(name):
+        return [i.callspec.params for i in items if i.originalname == name and i.callspec.params["world"] == world]
+
+    names = {params["case"]["name"] for params in chosen("test_layout_equals_one_gpu")}
+    cases = [c for c in layout_cases(world) if c["name"] in names]
+    cases += _resume_cases(world) if chosen("test_resume_is_exact_on_gpus") else []
+    return cases or layout_cases(world) + _resume_cases(world)
+
+
 @pytest.fixture(scope="session")
-def gpu_launches(gpu_out):
-    """{world size: the launch} of every layout of that size that this machine can run."""
-    return {world: launch(world, layout_cases(world) + _resume_cases(world), gpu_out, "cuda")
+def gpu_launches(gpu_out, request):
+    """{world size: the launch} of the selected layouts of that size that this machine can run."""
+    return {world: launch(world, _selected_cases(request.session.items, world), gpu_out, "cuda")
             for world in LAYOUTS if GPUS >= world}
 
 
@@ -211,3 +227,19 @@ def test_driver_on_cpu_ranks(tmp_path):
     for case in _resume_cases(4):
         check_resume(out, case["name"])
     assert result.exit_delay("parity: done") <= EXIT_LIMIT_S
+
+
+def test_a_selection_launches_its_cases_alone():
+    """``pytest tests/gpu -k graph`` trains the graph layouts only, not the whole sweep of each size."""
+    class Item:
+        def __init__(self, name, **params):
+            self.originalname, self.callspec = name, type("Callspec", (), {"params": params})()
+
+    cases = {c["name"]: c for c in layout_cases(2)}
+    picked = [Item("test_layout_equals_one_gpu", world=2, case=cases["tp2-sp-graph-llama-bf16"]),
+              Item("test_layout_equals_one_gpu", world=4, case=layout_cases(4)[0])]
+    assert _selected_cases(picked, 2) == [cases["tp2-sp-graph-llama-bf16"]]
+    with_resume = picked + [Item("test_resume_is_exact_on_gpus", world=2)]
+    assert _selected_cases(with_resume, 2) == [cases["tp2-sp-graph-llama-bf16"]] + _resume_cases(2)
+    everything = layout_cases(2) + _resume_cases(2)
+    assert _selected_cases([Item("test_parity_jobs_exit_promptly", world=2)], 2) == everything

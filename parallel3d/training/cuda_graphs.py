@@ -1,0 +1,128 @@
+"""Megatron's ``--enable-cuda-graph``: each transformer layer's forward and backward captured as CUDA graphs
+after ``--cuda-graph-warmup-steps`` eager steps, then replayed.
+
+Why: a replay is one launch where the eager layer makes a hundred or more. A TP=2 GPT-1.3B step at
+micro-batch 4 is set by the host's launches, not by the GPU (BENCHMARKS.md, issue 26's third lease).
+
+How: ``torch.cuda.make_graphed_callables`` over a chunk's layers, each with its input's shape (a
+micro-batch), a causal mask (None) and the rotary embedding fixed. The layers share one memory pool,
+which holds one micro-batch's activations. So a schedule with several micro-batches in flight cannot
+use them, and pipeline parallelism is refused (``TransformerConfig._check_cuda_graph`` refuses what a
+graph cannot hold). Anything else, say evaluation or another shape, runs eagerly.
+
+The fused weight gradient (``gradient_accumulation_fusion``) writes into ``main_grad`` inside the
+backward graph. It also tells the DDP hook, in Python, not to add the placeholder gradient it returns
+(``grad_added_to_main_grad``); Python does not run in a replay, so a hook on each layer's output sets
+that flag again before the layer's backward replays.
+
+NCCL keeps a communicator alive while a CUDA graph that captured its collectives exists: with the graphs
+alive, ``destroy_process_group`` waited forever (TP=2, 2 x H200, 2026-11-27). So training releases them
+when its loop ends (``release_cuda_graphs``), before anyone tears the process groups down.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class _FixedInputs(nn.Module):
+    """A layer with its attention mask (None: causal) and rotary embedding fixed: a graph takes tensors only."""
+
+    def __init__(self, layer: nn.Module, rotary_pos_emb: Optional[torch.Tensor]):
+        super().__init__()
+        self.layer = layer
+        self.__dict__["rotary_pos_emb"] = rotary_pos_emb  # not a buffer: not part of any state dict
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.layer(hidden_states, None, self.rotary_pos_emb)
+
+
+class LayerGraphs:
+    """One block's captured layers, for the input shape they were captured with."""
+
+    def __init__(self, layers: nn.ModuleList, shape: tuple[int, ...], dtype: torch.dtype,
+                 rotary_pos_emb: Optional[torch.Tensor]):
+        self.shape, self.rotary = tuple(shape), rotary_pos_emb
+        wrapped = tuple(_FixedInputs(layer, rotary_pos_emb) for layer in layers)
+        samples = tuple((torch.randn(shape, dtype=dtype, device="cuda", requires_grad=True),) for _ in wrapped)
+        # The capture's warm-up asks autograd for the weights' gradients on a side stream; their AccumulateGrad
+        # nodes, made by the eager steps on the default stream, then warn of a stream mismatch that costs
+        # nothing here (autograd.grad accumulates nothing). The replays run on the training stream.
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
+        try:
+            self.graphed = torch.cuda.make_graphed_callables(wrapped, samples, allow_unused_input=True)
+        finally:
+            torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(True)
+        # The capture ran each layer's Python once: the weights whose fused wgrad wrote into main_grad are those
+        # it marked. Their flags go back to False: the DDP hooks saw none of the capture's gradients.
+        self.fused = []
+        for layer in layers:
+            marked = [p for p in layer.parameters() if getattr(p, "grad_added_to_main_grad", False)]
+            for p in marked:
+                p.grad_added_to_main_grad = False
+            self.fused.append(marked)
+
+    def replays(self, hidden_states: torch.Tensor, attention_mask, rotary_pos_emb, inference_params) -> bool:
+        """Whether this forward is the captured one (a training micro-batch of the captured shape)."""
+        return (attention_mask is None and inference_params is None and torch.is_grad_enabled()
+                and tuple(hidden_states.shape) == self.shape and (rotary_pos_emb is None) == (self.rotary is None)
+                and (rotary_pos_emb is None or rotary_pos_emb.shape == self.rotary.shape))
+
+    def layer(self, index: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = self.graphed[index](hidden_states)
+        fused = self.fused[index]
+        if fused and out.requires_grad:
+            def mark(grad: torch.Tensor) -> None:  # runs before the layer's backward graph replays
+                for p in fused:
+                    p.grad_added_to_main_grad = True
+
+            out.register_hook(mark)
+        return out
+
+
+def _blocks(model: list):
+    """(module, its TransformerBlock) of every chunk of ``model`` that has layers."""
+    from parallel3d.models.block import TransformerBlock
+
+    for chunk in model:
+        for module in chunk.modules():
+            block = getattr(module, "decoder", None)
+            if isinstance(block, TransformerBlock) and len(block.layers):
+                yield module, block
+
+
+def capture_cuda_graphs(model: list, micro_batch_size: int) -> int:
+    """Capture the layers of every chunk of ``model`` (between two training steps: the capture's warm-up runs
+    forward and backward, and its fused weight gradients land in main_grad, which the next step zeroes).
+    Every rank of a TP group calls it at the same step. Returns the number of layers captured."""
+    captured = 0
+    for module, block in _blocks(model):
+        cfg = block.config
+        seq = cfg.seq_length // cfg.tensor_model_parallel_size if cfg.sequence_parallel else cfg.seq_length
+        device = next(block.parameters()).device
+        rotary = None
+        if getattr(module, "rotary_pos_emb", None) is not None:
+            rotary = module.rotary_pos_emb(cfg.seq_length, device)
+        block.__dict__["cuda_graphs"] = LayerGraphs(block.layers, (seq, micro_batch_size, cfg.hidden_size),
+                                                    cfg.params_dtype, rotary)
+        captured += len(block.layers)
+    torch.cuda.synchronize()
+    return captured
+
+
+def release_cuda_graphs(model: list, wait: bool = True) -> int:
+    """Drop every chunk's captured graphs (the layers run eagerly again) and free them, so the process groups
+    can be destroyed. ``wait``: first let the GPU finish their last replay (not after a failure, where the
+    GPU may never finish). Returns the number of blocks released."""
+    held = [block for _, block in _blocks(model) if block.cuda_graphs is not None]
+    if not held:
+        return 0
+    if wait and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    for block in held:
+        block.__dict__["cuda_graphs"] = None
+    gc.collect()  # the graphed autograd functions sit in reference cycles: free the graphs now, not later
+    return len(held)

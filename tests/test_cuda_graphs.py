@@ -1,0 +1,142 @@
+"""--enable-cuda-graph (Megatron's): refused by name where a captured layer cannot hold the run, before any work;
+the block replays its graphs only for the captured training forward. The capture itself runs on GPUs
+(tests/gpu/test_nccl_parity.py, the *-graph layouts, against one GPU)."""
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from parallel3d.models import GPTModel, gpt2_config
+from parallel3d.training.arguments import ArgumentError, parse_args, validate_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--micro-batch-size", "1", "--hidden-dropout", "0",
+        "--attention-dropout", "0"]
+
+
+def _config(**overrides):
+    settings = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "seq_length": 32, "enable_cuda_graph": True}
+    return gpt2_config("tiny", **{**settings, **overrides})
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"hidden_dropout": 0.1}, "hidden_dropout / attention_dropout > 0"),
+    ({"attention_dropout": 0.1}, "hidden_dropout / attention_dropout > 0"),
+    ({"recompute_granularity": "full"}, "recompute_granularity"),
+    ({"fp8": "hybrid", "bf16": True}, "fp8"),
+    ({"compile_layers": True}, "compile_layers"),
+    ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size > 1"),
+    ({"cuda_graph_warmup_steps": 0}, "cuda_graph_warmup_steps must be a positive integer"),
+])
+def test_what_a_graph_cannot_hold_is_refused_by_name(overrides, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        _config(**overrides)
+
+
+def test_a_config_a_graph_can_hold_is_accepted():
+    cfg = _config()
+    assert cfg.enable_cuda_graph and cfg.cuda_graph_warmup_steps == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_the_flag_is_refused_without_a_gpu_before_any_work():
+    with pytest.raises(ArgumentError, match="--enable-cuda-graph needs a CUDA device"):
+        validate_args(parse_args(BASE + ["--enable-cuda-graph"]), 1)
+
+
+def test_warmup_steps_must_be_positive():
+    with pytest.raises(ArgumentError, match="--cuda-graph-warmup-steps must be >= 1, got 0"):
+        validate_args(parse_args(BASE + ["--cuda-graph-warmup-steps", "0"]), 1)
+
+
+class _Recording:
+    """Stands in for the captured graphs: says which forwards it would replay and runs the layer eagerly."""
+
+    def __init__(self, block, shape):
+        self.block, self.shape, self.replayed = block, shape, []
+
+    def replays(self, hidden_states, attention_mask, rotary_pos_emb, inference_params):
+        return attention_mask is None and torch.is_grad_enabled() and tuple(hidden_states.shape) == self.shape
+
+    def layer(self, index, hidden_states):
+        self.replayed.append(index)
+        return self.block.layers[index](hidden_states, None, None)
+
+
+def test_the_block_replays_the_captured_forward_only_and_keeps_its_state_dict():
+    torch.manual_seed(0)
+    model = GPTModel(dataclasses.replace(_config(), enable_cuda_graph=False))
+    ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    want = model(ids, None)
+    keys = set(model.state_dict())
+    graphs = _Recording(model.decoder, (32, 2, model.config.hidden_size))
+    model.decoder.cuda_graphs = graphs
+    assert set(model.state_dict()) == keys  # not a submodule: checkpoints are the same with graphs
+    got = model(ids, None)
+    assert graphs.replayed == [0, 1] and torch.equal(got, want)
+    with torch.no_grad():  # evaluation runs the layers eagerly
+        model(ids, None)
+    model(ids[:1], None)  # another micro-batch size: eagerly too
+    model.eval()
+    model(ids, None)  # and evaluation with gradients on
+    assert graphs.replayed == [0, 1]
+
+
+def _fake_capture(blocks, fail_after=None):
+    """Stands in for capture_cuda_graphs (CUDA only): puts a _Recording on every block, which raises at replay
+    number ``fail_after`` (a failed step) if given."""
+    def capture(model, micro_batch_size):
+        from parallel3d.training.cuda_graphs import _blocks
+
+        for _, block in _blocks(model):
+            shape = (block.config.seq_length, micro_batch_size, block.config.hidden_size)
+            recording = _Recording(block, shape)
+            if fail_after is not None:
+                layer = recording.layer
+
+                def failing(index, hidden_states, layer=layer, recording=recording):
+                    if len(recording.replayed) == fail_after:
+                        raise RuntimeError("a failed step")
+                    return layer(index, hidden_states)
+
+                recording.layer = failing
+            block.cuda_graphs = recording
+            blocks.append((block, recording))
+        return len(blocks)
+
+    return capture
+
+
+def test_training_replays_after_the_warmup_steps_and_releases_the_graphs_at_the_end(monkeypatch):
+    """pretrain captures after --cuda-graph-warmup-steps, every later training forward goes through the graphs,
+    the losses are the eager run's, and the graphs are released when the loop ends (NCCL cannot destroy a
+    communicator that a live graph captured)."""
+    from gpt_harness import GBS, ITERS, MBS, layout_args, train
+    from parallel3d.training import training
+
+    blocks = []
+    monkeypatch.setattr(training, "capture_cuda_graphs", _fake_capture(blocks))
+    args = layout_args("gpt2")
+    args.enable_cuda_graph, args.cuda_graph_warmup_steps = True, 1
+    graphed = train(args)
+    eager = train(layout_args("gpt2"))
+    assert graphed["losses"] == eager["losses"] and graphed["grad_norms"] == eager["grad_norms"]
+    ((block, recording),) = blocks
+    assert graphed["model"][0].module.decoder is block and block.cuda_graphs is None  # released
+    microbatches_after_capture = (ITERS - 1) * (GBS // MBS)
+    assert recording.replayed == list(range(len(block.layers))) * microbatches_after_capture
+
+
+def test_a_failed_step_still_releases_the_graphs(monkeypatch):
+    from gpt_harness import layout_args, train
+    from parallel3d.training import training
+
+    blocks = []
+    monkeypatch.setattr(training, "capture_cuda_graphs", _fake_capture(blocks, fail_after=3))
+    args = layout_args("gpt2")
+    args.enable_cuda_graph, args.cuda_graph_warmup_steps = True, 1
+    with pytest.raises(RuntimeError, match="a failed step"):
+        train(args)
+    ((block, recording),) = blocks
+    assert block.cuda_graphs is None and len(recording.replayed) == 3
