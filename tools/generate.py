@@ -235,11 +235,12 @@ def _generate(args: argparse.Namespace, tokenizer, prompt_ids: list[int], config
     return result
 
 
-def cli() -> int:
-    """The console script (errors exit inside main with their own status)."""
+def cli() -> None:
+    """The console script and ``python tools/generate.py``: errors exit inside main with their own status; a
+    finished run ends without interpreter finalization (parallel3d/lifetime.py says why)."""
     main()
-    return 0
+    exit_after_run(0)
 
 
 if __name__ == "__main__":
-    exit_after_run(cli())
+    cli()
