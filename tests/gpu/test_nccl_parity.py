@@ -12,7 +12,8 @@ and each layout is its own test, compared with the reference of its family and p
   bf16 step (2^-7, relative) of the one-GPU bf16 run: the most two computations can differ that
   agree up to rounding; docs/gpu-tests.md derives it.
 With fewer GPUs the larger cases skip, naming the count; test_driver_on_cpu_ranks runs the 4-GPU
-layouts through the same driver on 4 gloo CPU ranks, so those layouts are proven on every machine.
+layouts through the same driver on 4 gloo CPU ranks, so those layouts are proven on every machine
+(all but the CUDA-graph one: graphs need CUDA).
 """
 import json
 import os
@@ -45,8 +46,12 @@ LAYOUTS = {
     4: {"tp2-pp2-v2-sp": (2, 2, 2, True, []),
         "tp2-dp2": (2, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
         "pp2-dp2": (1, 2, None, False, ["--use-distributed-optimizer"]),
-        "pp4": (1, 4, None, False, [])},
+        "pp4": (1, 4, None, False, []),
+        # CUDA graphs with TP + SP and ZeRO-1's parameter updates (the graphs read the weights in place)
+        "tp2-dp2-sp-graph": (2, 1, None, True, ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                                "--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"])},
 }
+GRAPHS_NEED_CUDA = "graph"  # layouts whose name holds this run on GPUs only (--enable-cuda-graph needs CUDA)
 RESUME = {2: [("tp2-sp", "llama"), ("pp2-v2", "gpt2")], 4: [("tp2-pp2-v2-sp", "gpt2")]}
 
 
@@ -219,8 +224,8 @@ def test_driver_on_cpu_ranks(tmp_path):
     refs = [_case("reference", f"ref_{f}_fp32", f, "fp32") for f in FAMILIES]
     refs += [_case("reference", "ref_gpt2_bf16", "gpt2", "bf16")]
     launch(1, refs, out, "cpu", timeout=240)
-    cases = layout_cases(4, dtypes=("fp32",)) + [c for c in layout_cases(4, ("gpt2",), ("bf16",))
-                                                 if c["name"].startswith("tp2-pp2")]
+    cases = [c for c in layout_cases(4, dtypes=("fp32",)) if GRAPHS_NEED_CUDA not in c["name"]]
+    cases += [c for c in layout_cases(4, ("gpt2",), ("bf16",)) if c["name"].startswith("tp2-pp2")]
     result = launch(4, cases + _resume_cases(4), out, "cpu", timeout=400)
     for case in cases:
         check_case(out, case)
