@@ -140,3 +140,32 @@ def test_a_failed_step_still_releases_the_graphs(monkeypatch):
         train(args)
     ((block, recording),) = blocks
     assert block.cuda_graphs is None and len(recording.replayed) == 3
+
+
+def test_the_log_says_how_a_tensor_parallel_run_launches_its_layers(monkeypatch):
+    import io
+    from contextlib import redirect_stdout
+    from functools import partial
+
+    from gpt_harness import TokenDataset, layout_args
+    from parallel3d.training import gpt, pretrain
+    from parallel3d.training.cuda_graphs import describe
+
+    assert describe(_config(enable_cuda_graph=False)) is None  # one GPU, eager: nothing to say
+    assert describe(_config(tensor_model_parallel_size=2, sequence_parallel=True)) == (
+        "TP=2 + SP, layers launched as CUDA graphs: captured after 3 eager steps, then replayed (--enable-cuda-graph)")
+    assert "launched eagerly" in describe(_config(tensor_model_parallel_size=2, enable_cuda_graph=False))
+    # pretrain prints it before training (one process with graphs here; the capture stands in, as above)
+    from parallel3d.training import training
+
+    monkeypatch.setattr(training, "capture_cuda_graphs", _fake_capture([]))
+    args = layout_args("gpt2", iters=2)
+    args.enable_cuda_graph = True
+    config = gpt.transformer_config_from_args(args)
+    partition = gpt.layer_partition(args, config)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        pretrain(args, partial(gpt.model_provider, config, partition), partial(gpt.forward_step, False),
+                 lambda n: (TokenDataset(64), None, None), model_config=config,
+                 layer_numbers=[[list(r) for r in chunks] for chunks in partition])
+    assert "layers launched as CUDA graphs: captured after 3 eager steps" in out.getvalue()

@@ -83,6 +83,19 @@ class LayerGraphs:
         return out
 
 
+def describe(config) -> Optional[str]:
+    """The training log's line on how a tensor-parallel run's layers are launched (None without TP or graphs)."""
+    graphs = getattr(config, "enable_cuda_graph", False)
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if tp == 1 and not graphs:
+        return None
+    tp_part = f"TP={tp}{' + SP' if getattr(config, 'sequence_parallel', False) else ''}, " if tp > 1 else ""
+    if graphs:
+        return (f"{tp_part}layers launched as CUDA graphs: captured after {config.cuda_graph_warmup_steps} eager "
+                "steps, then replayed (--enable-cuda-graph)")
+    return f"{tp_part}layers launched eagerly (--enable-cuda-graph replays them: faster where the host is the bound)"
+
+
 def _blocks(model: list):
     """(module, its TransformerBlock) of every chunk of ``model`` that has layers."""
     from parallel3d.models.block import TransformerBlock

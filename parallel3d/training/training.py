@@ -28,6 +28,7 @@ from parallel3d.distributed_timeout import CommunicationError
 from parallel3d.distributed import get_megatron_optimizer
 from parallel3d.training.checkpoint_lock import save_dir_guard
 from parallel3d.training.cuda_graphs import capture_cuda_graphs, release_cuda_graphs
+from parallel3d.training.cuda_graphs import describe as describe_launches
 from parallel3d.training.data_iterators import build_data_iterators
 from parallel3d.training.evaluation import evaluate
 from parallel3d.training.initialize import get_model, get_optimizer_param_scheduler, print_rank_0
@@ -72,6 +73,9 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
     fp8 = getattr(model_config, "fp8_settings", None)
     if fp8 is not None:
         print_rank_0(fp8.describe())
+    launches = describe_launches(model_config)
+    if launches:
+        print_rank_0(launches)
     optimizer = get_megatron_optimizer(config.optimizer, model)
     scheduler = get_optimizer_param_scheduler(optimizer, config)
 
