@@ -13,6 +13,7 @@ from sc21 import TABLE_1, figure_12, reproduce
 from parallel3d.training import gpt
 from parallel3d.planning import GemmCurve, Layout, ModelSpec, estimate, get_cluster, load_cluster
 from parallel3d.planning.hardware import cluster_from_dict
+from parallel3d.planning.search import candidates
 from parallel3d.planning.memory import static_bytes
 from parallel3d.models import gpt2_config, llama_config
 from parallel3d.planning.model import model_flops, num_floating_point_operations
@@ -258,3 +259,18 @@ def test_cuda_graphs_take_the_host_out_of_a_host_bound_step():
                        global_batch_size=16, enable_cuda_graph=True)
     with pytest.raises(ValueError, match="--enable-cuda-graph needs --pipeline-model-parallel-size 1"):
         pipelined.check(GPT_1_3B)
+
+
+def test_the_search_offers_cuda_graphs_where_training_can_use_them():
+    """TP layouts with and without graphs are both candidates on a dropout-free model (the host-bound TP step
+    then ranks with graphs), none with dropout, PP or recomputation, which graphs cannot hold."""
+    hopper = get_cluster("h100-sxm")
+    base = Layout(global_batch_size=16)
+    found = candidates(GPT_1_3B, hopper, 2, base)
+    graphed = [layout for layout in found if layout.enable_cuda_graph]
+    assert graphed and all(layout.tp > 1 and layout.pp == 1 and layout.recompute_granularity is None
+                           for layout in graphed)
+    assert {(layout.tp, layout.micro_batch_size) for layout in graphed} == \
+        {(layout.tp, layout.micro_batch_size) for layout in found if layout.tp > 1 and layout.pp == 1}
+    with_dropout = dataclasses.replace(GPT_1_3B, hidden_dropout=0.1)
+    assert not any(layout.enable_cuda_graph for layout in candidates(with_dropout, hopper, 2, base))

@@ -55,19 +55,22 @@ def candidates(model: ModelSpec, cluster: ClusterSpec, num_gpus: int, base: Layo
                                                   if r.splits_backward and r.auto_candidate and pp > 1]
         # TP with and without sequence parallelism: SP saves activation memory, without it TP ran faster
         # where it fits (BENCHMARKS.md, "Tensor parallelism: the link")
-        for mbs, (vp, schedule), rc, zero, sp in itertools.product(
+        # and TP with CUDA graphs, where its step is bound by the host's launches (Layout.check drops the
+        # layouts graphs cannot hold)
+        for mbs, (vp, schedule), rc, zero, sp, graphs in itertools.product(
                 micro_batch_sizes, pipelines, (None, "selective", "full"), (False, True) if dp > 1 else (False,),
-                (True, False) if tp > 1 else (False,)):
+                (True, False) if tp > 1 else (False,), (False, True) if tp > 1 else (False,)):
             layout = replace(base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                              data_parallel_size=dp, micro_batch_size=mbs, num_layers_per_virtual_pipeline_stage=vp,
                              recompute_granularity=rc, use_distributed_optimizer=zero, sequence_parallel=sp,
-                             pipeline_schedule=schedule)
+                             pipeline_schedule=schedule, enable_cuda_graph=graphs or base.enable_cuda_graph)
             if fixed:
                 layout = replace(layout, **fixed)
             try:
                 layout.check(model)
-            except ValueError as e:  # a zero-bubble schedule that does not fit is no news: the others run
-                if skipped is not None and layout.pipeline_schedule is None and len(skipped) < 5 and str(e) not in skipped:
+            except ValueError as e:  # a zero-bubble schedule or graphs that do not fit are no news: others run
+                if skipped is not None and layout.pipeline_schedule is None and not layout.enable_cuda_graph \
+                        and len(skipped) < 5 and str(e) not in skipped:
                     skipped.append(str(e))
                 continue
             out.append(layout)
