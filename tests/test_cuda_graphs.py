@@ -41,8 +41,40 @@ def test_a_config_a_graph_can_hold_is_accepted():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
 def test_the_flag_is_refused_without_a_gpu_before_any_work():
-    with pytest.raises(ArgumentError, match="--enable-cuda-graph needs a CUDA device"):
-        validate_args(parse_args(BASE + ["--enable-cuda-graph"]), 1)
+    for flags in (["--enable-cuda-graph"], ["--cuda-graph-impl", "local"], ["--external-cuda-graph"]):
+        with pytest.raises(ArgumentError, match=re.escape("--enable-cuda-graph (or --cuda-graph-impl) needs a CUDA")):
+            validate_args(parse_args(BASE + flags), 1)
+
+
+@pytest.mark.parametrize("flags, wanted", [
+    ([], False),
+    (["--enable-cuda-graph"], True),
+    (["--cuda-graph-impl", "local"], True),
+    (["--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules"], True),
+    (["--external-cuda-graph", "--cuda-graph-scope", "full"], True),
+    (["--cuda-graph-impl", "none", "--inference-cuda-graph-scope", "none"], False),
+])
+def test_megatrons_cuda_graph_flags_mean_per_layer_graphs(monkeypatch, flags, wanted):
+    """Megatron-Core's --cuda-graph-impl local / transformer_engine and the deprecated --external-cuda-graph
+    capture each layer's forward and backward, as --enable-cuda-graph does here; 'full' modules = a whole layer."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the flags' meaning, not the machine's
+    assert validate_args(parse_args(BASE + flags), 1).enable_cuda_graph is wanted
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl full_iteration is not supported"),
+    (["--enable-cuda-graph", "--external-cuda-graph"], "cannot be given together"),
+    (["--enable-cuda-graph", "--cuda-graph-impl", "local"], "--cuda-graph-impl local with --enable-cuda-graph"),
+    (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "mlp"], "--cuda-graph-modules attn mlp is not"),
+    (["--cuda-graph-modules", "full", "--cuda-graph-scope", "full"], "give one"),
+    (["--inference-cuda-graph-scope", "layer"], "--inference-cuda-graph-scope layer is not supported"),
+    (["--cuda-graph-retain-backward-graph"], "--cuda-graph-retain-backward-graph is not supported"),
+    (["--cuda-graph-use-single-mempool"], "--cuda-graph-use-single-mempool is not supported"),
+])
+def test_what_megatrons_cuda_graph_flags_ask_beyond_layers_is_refused_by_name(monkeypatch, flags, named):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ArgumentError, match=re.escape(named)):
+        validate_args(parse_args(BASE + flags), 1)
 
 
 def test_warmup_steps_must_be_positive():

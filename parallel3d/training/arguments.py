@@ -34,6 +34,7 @@ from parallel3d.training.megatron_args import (
     add_megatron_args,
     check_megatron_args,
     check_refusals,
+    resolve_cuda_graph_flags,
 )
 from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size, model_parallel_sizes
 from parallel3d.pipeline.forward_backward import default_schedule_name
@@ -287,6 +288,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         problems[:0] = e.problems
     try:
         check_refusals(args)
+        resolve_cuda_graph_flags(args)
     except MegatronFlagError as e:
         problems.append(str(e))
     problems += fp8_problems(args)
@@ -343,7 +345,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         import torch
 
         if not torch.cuda.is_available():
-            raise ArgumentError("--enable-cuda-graph needs a CUDA device (no GPU is visible): omit the flag")
+            raise ArgumentError("--enable-cuda-graph (or --cuda-graph-impl) needs a CUDA device (no GPU is visible): "
+                                "omit the flag")
     if not args.group_query_attention:
         args.num_query_groups = None
     try:

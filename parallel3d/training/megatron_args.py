@@ -26,8 +26,8 @@ REFUSED: dict[str, str] = {
                          "collectives pipelined against GEMM pieces, Domino-style batch pieces, and collectives on "
                          "the copy engine; BENCHMARKS.md, issue 26): an NCCL kernel beside a cuBLAS GEMM waits for "
                          "its SMs, and a TP=2 step at micro-batch 4 is bound by the host's launches. Omit the flag; "
-                         "a larger --micro-batch-size, or TP without --sequence-parallel where its memory fits, "
-                         "measured faster",
+                         "--enable-cuda-graph (the host's launches replayed), a larger --micro-batch-size, or TP "
+                         "without --sequence-parallel where its memory fits, measured faster",
     "--ckpt-format": "parallel3d has one checkpoint format (a safetensors file per TP/PP rank, Megatron's directory "
                      "names); omit the flag. tools/convert_checkpoint.py converts to and from Hugging Face",
     "--use-dist-ckpt": "parallel3d has one checkpoint format; omit the flag (see --ckpt-format)",
@@ -42,6 +42,10 @@ REFUSED: dict[str, str] = {
     "--log-timers-to-tensorboard": "timers are not logged; --tensorboard-dir gets iteration time and throughput",
     "--timing-log-level": "timers are not logged; each interval logs the iteration time",
     "--tensorboard-log-interval": "TensorBoard is written every --log-interval",
+    "--cuda-graph-retain-backward-graph": "the layers' graphs are captured without retaining the backward graph "
+                                          "(every layer here is graph-safe); omit the flag",
+    "--cuda-graph-use-single-mempool": "it applies to --cuda-graph-impl full_iteration, which is not implemented; "
+                                       "omit the flag",
 }
 # Megatron flags whose meaning is what parallel3d always does: accepted, and their help says why.
 ALREADY_SO: dict[str, str] = {
@@ -63,6 +67,11 @@ ATTENTION_BACKENDS = {"auto": "sdpa", "flash": "sdpa", "fused": "sdpa", "sdpa": 
 
 class MegatronFlagError(ValueError):
     pass
+
+
+# Megatron's --cuda-graph-impl values; "local" (Megatron-Core's own) and "transformer_engine" (TE's
+# make_graphed_callables) both capture each layer's forward and backward, which is what parallel3d does.
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 
 
 def add_megatron_args(p: argparse.ArgumentParser) -> None:
@@ -107,6 +116,17 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-project", default=None, help="log to this Weights & Biases project (needs wandb)")
     g.add_argument("--wandb-exp-name", default=None, help="the wandb run's name")
     g.add_argument("--wandb-save-dir", default=None, help="wandb's local directory (default: wandb's own)")
+    g = p.add_argument_group("Megatron-LM: CUDA graphs (--enable-cuda-graph, in the model flags, is the short form)")
+    g.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default="none",
+                   help="local / transformer_engine: each transformer layer captured after --cuda-graph-warmup-steps "
+                        "steps and replayed, as --enable-cuda-graph; full_iteration is refused")
+    g.add_argument("--external-cuda-graph", action="store_true",
+                   help="= --cuda-graph-impl transformer_engine (Megatron's deprecated form)")
+    g.add_argument("--cuda-graph-modules", nargs="*", default=None, help="what each layer's graph holds: the "
+                   "whole layer (none given, or 'full'); attn / mlp / moe ... are refused")
+    g.add_argument("--cuda-graph-scope", nargs="*", default=None, help="Megatron's deprecated --cuda-graph-modules")
+    g.add_argument("--inference-cuda-graph-scope", choices=("none", "layer", "block"), default=None,
+                   help="none: generation runs eagerly (layer and block are refused)")
     g = p.add_argument_group("Megatron-LM flags that are true here already")
     for flag, why in ALREADY_SO.items():
         g.add_argument(flag, action="store_true", help=f"accepted: {why}")
@@ -129,6 +149,32 @@ def check_refusals(args: argparse.Namespace) -> None:
     if args.tokenizer_type in REFUSED_TOKENIZERS:
         _refuse(f"--tokenizer-type {args.tokenizer_type}", "use --tokenizer-type HuggingFaceTokenizer with the "
                 "model's tokenizer.json, GPT2BPETokenizer with --vocab-file/--merge-file, or byte")
+
+
+def resolve_cuda_graph_flags(args: argparse.Namespace) -> None:
+    """Megatron's CUDA-graph flags -> ``args.enable_cuda_graph`` (per-layer graphs), with Megatron's own
+    refusals of contradictory combinations and ours of the scopes not implemented. Called once, by validate_args."""
+    impl = args.cuda_graph_impl
+    if args.enable_cuda_graph and args.external_cuda_graph:
+        raise MegatronFlagError("--enable-cuda-graph and --external-cuda-graph cannot be given together (Megatron "
+                                "refuses it too): give one")
+    if (args.enable_cuda_graph or args.external_cuda_graph) and impl != "none":
+        raise MegatronFlagError(f"--cuda-graph-impl {impl} with --enable-cuda-graph or --external-cuda-graph: give "
+                                "one of them (Megatron refuses both together)")
+    if impl == "full_iteration":
+        _refuse("--cuda-graph-impl full_iteration", "a whole iteration in one graph is not implemented; "
+                "--cuda-graph-impl local captures each transformer layer")
+    if args.cuda_graph_modules is not None and args.cuda_graph_scope is not None:
+        raise MegatronFlagError("--cuda-graph-scope is Megatron's old name of --cuda-graph-modules: give one")
+    modules = args.cuda_graph_modules if args.cuda_graph_modules is not None else args.cuda_graph_scope
+    partial = [m for m in modules or [] if m != "full"]
+    if partial:
+        _refuse(f"--cuda-graph-modules {' '.join(partial)}", "each graph here holds a whole transformer layer "
+                "(Megatron's default: omit the flag, or give 'full')")
+    if args.inference_cuda_graph_scope not in (None, "none"):
+        _refuse(f"--inference-cuda-graph-scope {args.inference_cuda_graph_scope}", "generation runs eagerly; omit "
+                "the flag")
+    args.enable_cuda_graph = args.enable_cuda_graph or args.external_cuda_graph or impl != "none"
 
 
 def _apply_aliases(args: argparse.Namespace) -> None:
