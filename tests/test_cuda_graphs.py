@@ -201,3 +201,71 @@ def test_the_log_says_how_a_tensor_parallel_run_launches_its_layers(monkeypatch)
                  lambda n: (TokenDataset(64), None, None), model_config=config,
                  layer_numbers=[[list(r) for r in chunks] for chunks in partition])
     assert "layers launched as CUDA graphs: captured after 3 eager steps" in out.getvalue()
+
+
+def _replayed(module):
+    """A stand-in for one captured layer: its backward computes what the graph would, but, as a replay, runs none
+    of the layer's Python. So the fused weight gradient's flag is not set by it (a replay would not set it), and
+    the placeholder gradient it returns for such a weight is NaN (a replay returns uninitialised memory)."""
+    weights = [p for p in module.parameters() if p.requires_grad]
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, *_):
+            with torch.enable_grad():
+                ctx.x = x.detach().requires_grad_()
+                ctx.out = module(ctx.x)
+            return ctx.out.detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            before = [getattr(p, "grad_added_to_main_grad", None) for p in weights]
+            grads = list(torch.autograd.grad(ctx.out, [ctx.x] + weights, grad, allow_unused=True))
+            for i, (p, flag) in enumerate(zip(weights, before), start=1):
+                if getattr(p, "grad_added_to_main_grad", None) and not flag:  # set by the layer's Python
+                    p.grad_added_to_main_grad = flag
+                    grads[i] = torch.full_like(grads[i], float("nan"))
+            return tuple(grads)
+
+    return lambda x: Replay.apply(x, *weights)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_capture_bookkeeping_trains_like_eager(monkeypatch, family):
+    """capture_cuda_graphs and LayerGraphs as they run on a GPU, with replays stood in for by layers that run
+    none of their Python in backward (_replayed): the fused weight gradients' flags, found at the capture and
+    set again by the output hooks, keep the DDP hooks from adding the placeholders. The same losses, gradient
+    norms and weights as eager, and all four linears of every layer tracked."""
+    from gpt_harness import full_weights, layout_args, train
+    from parallel3d.training import cuda_graphs, training
+
+    made = []
+
+    def capture(callables, samples, allow_unused_input):
+        for module, (sample,) in zip(callables, samples):  # the capture's warm-up, as torch runs it
+            inputs = [sample] + [p for p in module.parameters() if p.requires_grad]
+            torch.autograd.grad(module(sample).sum(), inputs, allow_unused=allow_unused_input)
+        made.append(callables)
+        return tuple(_replayed(module) for module in callables)
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", capture)
+    captured = []
+
+    def capture_blocks(model, micro_batch_size):
+        count = cuda_graphs.capture_cuda_graphs(model, micro_batch_size)
+        captured.extend(block.cuda_graphs for _, block in cuda_graphs._blocks(model))
+        return count
+
+    monkeypatch.setattr(training, "capture_cuda_graphs", capture_blocks)
+    args = layout_args(family)
+    args.enable_cuda_graph, args.cuda_graph_warmup_steps = True, 1
+    graphed = train(args)
+    eager = train(layout_args(family))
+    assert graphed["losses"] == eager["losses"] and graphed["grad_norms"] == eager["grad_norms"]
+    want = full_weights(eager)
+    for name, got in full_weights(graphed).items():
+        assert torch.equal(got, want[name]), name
+    (layers,) = made
+    assert len(layers) == len(graphed["model"][0].module.decoder.layers)
+    (graphs,) = captured  # every layer's four linears write their weight gradient into main_grad
+    assert [len(weights) for weights in graphs.fused] == [4] * len(layers)

@@ -43,11 +43,11 @@ class _FixedInputs(nn.Module):
 class LayerGraphs:
     """One block's captured layers, for the input shape they were captured with."""
 
-    def __init__(self, layers: nn.ModuleList, shape: tuple[int, ...], dtype: torch.dtype,
+    def __init__(self, layers: nn.ModuleList, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  rotary_pos_emb: Optional[torch.Tensor]):
         self.shape, self.rotary = tuple(shape), rotary_pos_emb
         wrapped = tuple(_FixedInputs(layer, rotary_pos_emb) for layer in layers)
-        samples = tuple((torch.randn(shape, dtype=dtype, device="cuda", requires_grad=True),) for _ in wrapped)
+        samples = tuple((torch.randn(shape, dtype=dtype, device=device, requires_grad=True),) for _ in wrapped)
         # The capture's warm-up asks autograd for the weights' gradients on a side stream; their AccumulateGrad
         # nodes, made by the eager steps on the default stream, then warn of a stream mismatch that costs
         # nothing here (autograd.grad accumulates nothing). The replays run on the training stream.
@@ -120,9 +120,10 @@ def capture_cuda_graphs(model: list, micro_batch_size: int) -> int:
         if getattr(module, "rotary_pos_emb", None) is not None:
             rotary = module.rotary_pos_emb(cfg.seq_length, device)
         block.__dict__["cuda_graphs"] = LayerGraphs(block.layers, (seq, micro_batch_size, cfg.hidden_size),
-                                                    cfg.params_dtype, rotary)
+                                                    cfg.params_dtype, device, rotary)
         captured += len(block.layers)
-    torch.cuda.synchronize()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return captured
 
 
