@@ -47,7 +47,10 @@ class LayerGraphs:
                  rotary_pos_emb: Optional[torch.Tensor]):
         self.shape, self.rotary = tuple(shape), rotary_pos_emb
         wrapped = tuple(_FixedInputs(layer, rotary_pos_emb) for layer in layers)
-        samples = tuple((torch.randn(shape, dtype=dtype, device=device, requires_grad=True),) for _ in wrapped)
+        # The warm-up's inputs, from a generator of their own: the training's random streams stay untouched
+        noise = torch.Generator(device=device).manual_seed(0)
+        samples = tuple((torch.randn(shape, dtype=dtype, device=device, generator=noise, requires_grad=True),)
+                        for _ in wrapped)
         # The capture's warm-up asks autograd for the weights' gradients on a side stream; their AccumulateGrad
         # nodes, made by the eager steps on the default stream, then warn of a stream mismatch that costs
         # nothing here (autograd.grad accumulates nothing). The replays run on the training stream.
