@@ -167,7 +167,9 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
                 encoder.initializer()
                 encoded = map(encoder.encode, enumerate(fin, start=1))
             else:
-                pool = multiprocessing.Pool(args.workers, initializer=encoder.initializer)
+                # Spawned, not forked: a fork copies whatever locks the parent's threads hold (torch's, a test
+                # runner's), and a worker forked while one was held waited on it forever (CI, 2026-11-27).
+                pool = multiprocessing.get_context("spawn").Pool(args.workers, initializer=encoder.initializer)
                 encoded = pool.imap(encoder.encode, enumerate(fin, start=1), chunksize=32)
             for lineno, error, ids, nbytes in encoded:
                 total_bytes += nbytes
