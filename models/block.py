@@ -81,9 +81,11 @@ class TransformerBlock(nn.Module):
     def _run(self, start: int, end: int) -> Callable:
         def run(hidden_states, attention_mask, rotary_pos_emb, inference_params=None):
             graphs = self.cuda_graphs if self.training else None
+            # once per forward: every layer keeps the input's shape
+            replay = graphs is not None and graphs.replays(hidden_states, attention_mask, rotary_pos_emb,
+                                                           inference_params)
             for index in range(start, end):
-                if graphs is not None and graphs.replays(hidden_states, attention_mask, rotary_pos_emb,
-                                                         inference_params):
+                if replay:
                     hidden_states = graphs.layer(index, hidden_states)
                 else:
                     hidden_states = self.layers[index](hidden_states, attention_mask, rotary_pos_emb,

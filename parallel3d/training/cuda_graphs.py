@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from parallel3d.pipeline.forward_backward import PipelineConfig
+
 
 class _FixedInputs(nn.Module):
     """A layer with its attention mask (None: causal) and rotary embedding fixed: a graph takes tensors only."""
@@ -117,13 +119,12 @@ def capture_cuda_graphs(model: list, micro_batch_size: int) -> int:
     captured = 0
     for module, block in _blocks(model):
         cfg = block.config
-        seq = cfg.seq_length // cfg.tensor_model_parallel_size if cfg.sequence_parallel else cfg.seq_length
+        shape = PipelineConfig.of(cfg).tensor_shape(cfg.seq_length, micro_batch_size)  # [s (/ TP under SP), b, h]
         device = next(block.parameters()).device
         rotary = None
         if getattr(module, "rotary_pos_emb", None) is not None:
             rotary = module.rotary_pos_emb(cfg.seq_length, device)
-        block.__dict__["cuda_graphs"] = LayerGraphs(block.layers, (seq, micro_batch_size, cfg.hidden_size),
-                                                    cfg.params_dtype, device, rotary)
+        block.__dict__["cuda_graphs"] = LayerGraphs(block.layers, shape, cfg.params_dtype, device, rotary)
         captured += len(block.layers)
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
