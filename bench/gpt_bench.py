@@ -359,6 +359,10 @@ def main(argv=None) -> None:
         if bench.json_out:
             with open(bench.json_out, "a") as f:
                 f.write(json.dumps(result) + "\n")
+    if config.enable_cuda_graph:  # live graphs keep NCCL's communicators: destroy_process_group would wait forever
+        from parallel3d.training.cuda_graphs import release_cuda_graphs
+
+        release_cuda_graphs(model)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
