@@ -257,6 +257,10 @@ def main(argv=None) -> None:
     forward_step = partial(gpt.forward_step, False)
 
     times = []
+    if config.enable_cuda_graph:  # the warm-up steps count the forwards in flight: the capture's slots
+        from parallel3d.training.cuda_graphs import count_in_flight
+
+        count_in_flight(model)
     for i in range(bench.warmup + bench.iters):
         if i == bench.warmup and config.enable_cuda_graph:  # after the warm-up steps, whatever --cuda-graph-warmup-steps
             from parallel3d.training.cuda_graphs import capture_cuda_graphs

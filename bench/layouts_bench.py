@@ -74,6 +74,7 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     "llama-tp2-sp-graph": (2, LLAMA + ["--tp", "2", "--sequence-parallel", "--enable-cuda-graph"], [], False),
     "tp2-sp-mbs8-graph": (2, TP2 + ["--micro-batch-size", "8", "--enable-cuda-graph"], [], False),
     "tp2-dp2-graph": (4, TP2_DP2 + ["--enable-cuda-graph"], [], False),
+    "tp2-pp2-v2-sp-graph": (4, TP2_PP2_V2 + ["--enable-cuda-graph"], [], False),
     "7b-tp4-graph": (4, SEVEN_B + ["--enable-cuda-graph"], [], False),
     "tp2-co16-nc8": (2, TP2_NOSP, ["--sm-carveout", "16"], False),
 }

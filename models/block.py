@@ -74,23 +74,22 @@ class TransformerBlock(nn.Module):
             for layer in layers:
                 compile_layer(layer, config)
         self.final_layernorm = Norm(config, config.hidden_size) if post_process else None
-        # --enable-cuda-graph: the captured layers (parallel3d.training.cuda_graphs.LayerGraphs), set after the
-        # warm-up steps; a plain attribute, not a submodule, so the state dict is the same with and without.
+        # --enable-cuda-graph: the forwards in flight, counted in the warm-up steps, then the captured layers
+        # (parallel3d.training.cuda_graphs: InFlight, LayerGraphs); a plain attribute, not a submodule, so the
+        # state dict is the same with and without.
         self.__dict__["cuda_graphs"] = None
 
     def _run(self, start: int, end: int) -> Callable:
         def run(hidden_states, attention_mask, rotary_pos_emb, inference_params=None):
             graphs = self.cuda_graphs if self.training else None
-            # once per forward: every layer keeps the input's shape
-            replay = graphs is not None and graphs.replays(hidden_states, attention_mask, rotary_pos_emb,
-                                                           inference_params)
+            ticket = graphs.begin(hidden_states, attention_mask, rotary_pos_emb, inference_params) if graphs else None
             for index in range(start, end):
-                if replay:
-                    hidden_states = graphs.layer(index, hidden_states)
+                if ticket is not None and ticket.slot is not None:
+                    hidden_states = graphs.layer(ticket.slot, index, hidden_states)
                 else:
                     hidden_states = self.layers[index](hidden_states, attention_mask, rotary_pos_emb,
                                                        inference_params)
-            return hidden_states
+            return graphs.end(ticket, hidden_states) if ticket is not None else hidden_states
 
         return run
 

@@ -245,8 +245,8 @@ class TransformerConfig:
 
     def _check_cuda_graph(self) -> None:
         """What a captured layer cannot hold: random numbers drawn in Python (dropout's RNG tracker), a second
-        forward inside backward (recompute), FP8's Python-side scaling state, Inductor's own graphs, and the
-        activations of more than one micro-batch in flight (pipeline schedules)."""
+        forward inside backward (recompute), FP8's Python-side scaling state and Inductor's own graphs. (The
+        zero-bubble schedules' W split is refused with the schedule, in the training arguments.)"""
         if not self.enable_cuda_graph:
             return
         if not isinstance(self.cuda_graph_warmup_steps, int) or self.cuda_graph_warmup_steps < 1:
@@ -256,12 +256,11 @@ class TransformerConfig:
             "recompute_granularity (drop recomputation)": self.recompute_granularity is not None,
             "fp8 (train in bf16)": self.fp8 is not None,
             "compile_layers (--compile: choose one)": self.compile_layers,
-            "pipeline_model_parallel_size > 1 (several micro-batches in flight)": self.pipeline_model_parallel_size > 1,
         }
         named = [name for name, bad in refused.items() if bad]
         if named:
             raise ValueError(f"enable_cuda_graph is not supported with {'; '.join(named)}: a captured layer replays "
-                             "one micro-batch's fixed kernels")
+                             "a micro-batch's fixed kernels")
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size

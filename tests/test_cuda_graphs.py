@@ -2,12 +2,14 @@
 the block replays its graphs only for the captured training forward. The capture itself runs on GPUs
 (tests/gpu/test_nccl_parity.py, the *-graph layouts, against one GPU)."""
 import dataclasses
+import itertools
 import re
 
 import pytest
 import torch
 
 from parallel3d.models import GPTModel, gpt2_config
+from parallel3d.training.cuda_graphs import InFlight, LayerGraphs
 from parallel3d.training.arguments import ArgumentError, parse_args, validate_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -26,7 +28,6 @@ def _config(**overrides):
     ({"recompute_granularity": "full"}, "recompute_granularity"),
     ({"fp8": "hybrid", "bf16": True}, "fp8"),
     ({"compile_layers": True}, "compile_layers"),
-    ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size > 1"),
     ({"cuda_graph_warmup_steps": 0}, "cuda_graph_warmup_steps must be a positive integer"),
 ])
 def test_what_a_graph_cannot_hold_is_refused_by_name(overrides, named):
@@ -82,16 +83,18 @@ def test_warmup_steps_must_be_positive():
         validate_args(parse_args(BASE + ["--cuda-graph-warmup-steps", "0"]), 1)
 
 
-class _Recording:
-    """Stands in for the captured graphs: says which forwards it would replay and runs the layer eagerly."""
+class _Recording(InFlight):
+    """Stands in for the captured graphs (one slot, never busy): which forwards it would replay; runs the layers
+    eagerly."""
 
     def __init__(self, block, shape):
+        super().__init__()
         self.block, self.shape, self.replayed = block, shape, []
 
-    def replays(self, hidden_states, attention_mask, rotary_pos_emb, inference_params):
-        return attention_mask is None and torch.is_grad_enabled() and tuple(hidden_states.shape) == self.shape
+    def _take(self, hidden_states, attention_mask, rotary_pos_emb, inference_params):
+        return 0 if attention_mask is None and tuple(hidden_states.shape) == self.shape else None
 
-    def layer(self, index, hidden_states):
+    def layer(self, slot, index, hidden_states):
         self.replayed.append(index)
         return self.block.layers[index](hidden_states, None, None)
 
@@ -127,10 +130,10 @@ def _fake_capture(blocks, fail_after=None):
             if fail_after is not None:
                 layer = recording.layer
 
-                def failing(index, hidden_states, layer=layer, recording=recording):
+                def failing(slot, index, hidden_states, layer=layer, recording=recording):
                     if len(recording.replayed) == fail_after:
                         raise RuntimeError("a failed step")
-                    return layer(index, hidden_states)
+                    return layer(slot, index, hidden_states)
 
                 recording.layer = failing
             block.cuda_graphs = recording
@@ -208,10 +211,14 @@ def _replayed(module):
     of the layer's Python. So the fused weight gradient's flag is not set by it (a replay would not set it), and
     the placeholder gradient it returns for such a weight is NaN (a replay returns uninitialised memory)."""
     weights = [p for p in module.parameters() if p.requires_grad]
+    busy = []  # a graph's activations are static: a forward before the last one's backward would overwrite them
 
     class Replay(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, *_):
+            if busy:
+                raise RuntimeError("a captured layer replayed again before its last forward's backward")
+            busy.append(True)
             with torch.enable_grad():
                 ctx.x = x.detach().requires_grad_()
                 ctx.out = module(ctx.x)
@@ -219,6 +226,7 @@ def _replayed(module):
 
         @staticmethod
         def backward(ctx, grad):
+            busy.clear()
             before = [getattr(p, "grad_added_to_main_grad", None) for p in weights]
             grads = list(torch.autograd.grad(ctx.out, [ctx.x] + weights, grad, allow_unused=True))
             for i, (p, flag) in enumerate(zip(weights, before), start=1):
@@ -269,3 +277,72 @@ def test_the_capture_bookkeeping_trains_like_eager(monkeypatch, family):
     assert len(layers) == len(graphed["model"][0].module.decoder.layers)
     (graphs,) = captured  # every layer's four linears write their weight gradient into main_grad
     assert [len(weights) for weights in graphs.fused] == [4] * len(layers)
+
+
+# ------------------------------------------------------------------ pipeline parallelism, on gloo ranks
+
+# (family, TP, PP, V, SP, extra flags); 4 ranks: 1F1B, interleaved, TP + SP with DP's overlapped reduction
+PP_LAYOUTS = [("gpt2", 1, 2, 1, False, []), ("llama", 1, 2, 2, False, ["--use-distributed-optimizer"]),
+              ("gpt2", 2, 2, 1, True, ["--overlap-grad-reduce"])]
+
+
+def _with_graphs(args):
+    args.enable_cuda_graph, args.cuda_graph_warmup_steps = True, 1
+
+
+def _pipeline_sweep(rank, world_size, refs):
+    """The layouts of PP_LAYOUTS with CUDA graphs stood in for (_replayed: a slot replayed again before its
+    backward raises), against one process; returns (layouts done, slots captured per block, replays)."""
+    from test_gpt_training import _sweep
+
+    slots, replays = [], []
+
+    def capture(callables, samples, allow_unused_input):
+        for module, (sample,) in zip(callables, samples):
+            inputs = [sample] + [p for p in module.parameters() if p.requires_grad]
+            torch.autograd.grad(module(sample).sum(), inputs, allow_unused=allow_unused_input)
+        slots.append(id(callables[0].layer))  # a block's captures follow one another
+        stand_ins = tuple(_replayed(module) for module in callables)
+        return tuple((lambda x, f=f: (replays.append(1), f(x))[1]) for f in stand_ins)
+
+    eager = []
+    take = LayerGraphs._take
+
+    def counted_take(self, *args):
+        slot = take(self, *args)
+        if slot is None:
+            eager.append(1)
+        return slot
+
+    torch.cuda.make_graphed_callables = capture  # this worker process only
+    LayerGraphs._take = counted_take
+    done = _sweep(rank, world_size, refs, PP_LAYOUTS, adjust=_with_graphs)
+    per_block = [len(list(run)) for _, run in itertools.groupby(slots)]
+    return done, per_block, len(replays), len(eager)
+
+
+def test_pipeline_schedules_replay_each_forward_in_a_free_slot():
+    """PP with graphs: each block is captured once per forward it had in flight in the warm-up step (1F1B's first
+    stage holds two micro-batches), every later forward replays a slot no other micro-batch holds, and
+    training equals one process (fp32 bounds) in 1F1B, interleaved, and TP + SP x PP with DP overlap."""
+    from test_gpt_training import _reference
+    from parallel3d.testing import run_distributed
+
+    refs = {family: _reference(family) for family in ("gpt2", "llama")}
+    results = run_distributed(_pipeline_sweep, 4, args=(refs,), timeout=300)
+    for rank, (done, per_block, replays, eager) in enumerate(results):
+        assert len(done) == len(PP_LAYOUTS), (rank, done)
+        stage = rank // 2  # TP x DP = 2 ranks per stage in each layout
+        # a block per chunk: 1F1B, then interleaved's two chunks, then 1F1B again
+        one_f_one_b = [per_block[0], per_block[3]]
+        assert one_f_one_b == [2 - stage] * 2, (rank, per_block)  # 1F1B's stage s holds PP - s micro-batches
+        assert len(per_block) == 4 and min(per_block) >= 1, (rank, per_block)
+        assert replays > 0 and eager == 0, (rank, replays, eager)  # after the capture, every forward replayed
+
+
+def test_zero_bubble_schedules_are_refused_with_graphs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for schedule in ("zb-h1", "auto"):
+        flags = BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule, "--enable-cuda-graph"]
+        with pytest.raises(ArgumentError, match=re.escape(f"--enable-cuda-graph with --pipeline-schedule {schedule}")):
+            validate_args(parse_args(flags), 2)

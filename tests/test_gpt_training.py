@@ -69,10 +69,14 @@ def _reference(family):
     return result["losses"], result["grad_norms"], full_weights(result)
 
 
-def _sweep(rank, world_size, refs, layouts=LAYOUTS):
+def _sweep(rank, world_size, refs, layouts=LAYOUTS, adjust=None):
+    """Every layout against the single-process ``refs``; ``adjust(args)``, where given, sets fields after the
+    arguments' validation (what this machine cannot validate, e.g. CUDA graphs on CPU ranks)."""
     done = []
     for family, tp, pp, vp, sp, extra in layouts:
         args = layout_args(family, tp, pp, vp, sp, extra, world=world_size)
+        if adjust is not None:
+            adjust(args)
         ps.initialize_model_parallel(tp, pp, args.virtual_pipeline_model_parallel_size)
         where = f"[{family} TP={tp} PP={pp} V={vp} SP={sp} {' '.join(extra)}]"
         try:

@@ -257,20 +257,24 @@ def test_cuda_graphs_take_the_host_out_of_a_host_bound_step():
     assert "CUDA graphs" in graphed.layout.describe(GPT_1_3B)
     pipelined = Layout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, micro_batch_size=4,
                        global_batch_size=16, enable_cuda_graph=True)
-    with pytest.raises(ValueError, match="--enable-cuda-graph needs --pipeline-model-parallel-size 1"):
-        pipelined.check(GPT_1_3B)
+    pipelined.check(GPT_1_3B)  # 1F1B: each forward in flight replays a slot of its own
+    with pytest.raises(ValueError, match="--enable-cuda-graph needs a 1F1B or interleaved schedule"):
+        dataclasses.replace(pipelined, pipeline_schedule="zb-h1").check(GPT_1_3B)
 
 
 def test_the_search_offers_cuda_graphs_where_training_can_use_them():
     """TP layouts with and without graphs are both candidates on a dropout-free model (the host-bound TP step
-    then ranks with graphs), none with dropout, PP or recomputation, which graphs cannot hold."""
+    then ranks with graphs), none with dropout, a zero-bubble schedule or recomputation, which graphs cannot
+    hold."""
     hopper = get_cluster("h100-sxm")
     base = Layout(global_batch_size=16)
-    found = candidates(GPT_1_3B, hopper, 2, base)
+    found = candidates(GPT_1_3B, hopper, 4, base)
     graphed = [layout for layout in found if layout.enable_cuda_graph]
-    assert graphed and all(layout.tp > 1 and layout.pp == 1 and layout.recompute_granularity is None
+    assert graphed and all(layout.tp > 1 and layout.pipeline_schedule is None and layout.recompute_granularity is None
                            for layout in graphed)
-    assert {(layout.tp, layout.micro_batch_size) for layout in graphed} == \
-        {(layout.tp, layout.micro_batch_size) for layout in found if layout.tp > 1 and layout.pp == 1}
+    assert any(layout.pp > 1 for layout in graphed)
+    eager = {dataclasses.replace(layout, enable_cuda_graph=True) for layout in found
+             if layout.tp > 1 and layout.pipeline_schedule is None and layout.recompute_granularity is None}
+    assert set(graphed) == eager
     with_dropout = dataclasses.replace(GPT_1_3B, hidden_dropout=0.1)
     assert not any(layout.enable_cuda_graph for layout in candidates(with_dropout, hopper, 2, base))

@@ -13,7 +13,7 @@ from typing import Optional
 from parallel3d.models.config import (ATTENTION_BACKENDS, TransformerConfig, default_ffn_hidden_size,
                                       num_floating_point_operations)
 from parallel3d.pipeline.forward_backward import default_schedule_name
-from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, check_schedule_args, placement_of
+from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, ZERO_BUBBLE, check_schedule_args, placement_of
 from parallel3d.tensor_parallel import vocab_size_with_padding
 
 RECOMPUTE_CHOICES = (None, "selective", "full")
@@ -237,10 +237,11 @@ class Layout:
                              f"--pipeline-model-parallel-size {self.pp}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-        if self.enable_cuda_graph and (self.pp > 1 or self.recompute_granularity or model.hidden_dropout > 0):
-            # training's rule (TransformerConfig._check_cuda_graph), on the fields a plan knows
-            raise ValueError("--enable-cuda-graph needs --pipeline-model-parallel-size 1, no recomputation and "
-                             "--hidden-dropout 0")
+        zero_bubble = self.pp > 1 and self.pipeline_schedule in ZERO_BUBBLE  # 'auto' among them
+        if self.enable_cuda_graph and (zero_bubble or self.recompute_granularity or model.hidden_dropout > 0):
+            # training's rules (TransformerConfig._check_cuda_graph, the arguments'), on the fields a plan knows
+            raise ValueError("--enable-cuda-graph needs a 1F1B or interleaved schedule (no zero-bubble W split), "
+                             "no recomputation and --hidden-dropout 0")
         if self.num_layers_per_virtual_pipeline_stage:
             per = self.num_layers_per_virtual_pipeline_stage
             if self.pp < 2 or model.num_layers % (self.pp * per):

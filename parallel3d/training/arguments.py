@@ -38,7 +38,7 @@ from parallel3d.training.megatron_args import (
 )
 from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size, model_parallel_sizes
 from parallel3d.pipeline.forward_backward import default_schedule_name
-from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, check_schedule_args
+from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, ZERO_BUBBLE, check_schedule_args
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -81,8 +81,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-backend", default="inductor",
                    help="torch.compile's backend with --compile (torchtitan's compile.backend)")
     g.add_argument("--enable-cuda-graph", action="store_true", help="capture each transformer layer's forward "
-                   "and backward as CUDA graphs and replay them (Megatron's; CUDA, bf16/fp32, no dropout, "
-                   "recompute, FP8, --compile or pipeline parallelism)")
+                   "and backward as CUDA graphs and replay them (Megatron's; CUDA, bf16/fp32; not with "
+                   "dropout, recompute, FP8, --compile or a zero-bubble --pipeline-schedule)")
     g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
                    help="eager training steps before the capture (Megatron's)")
 
@@ -341,6 +341,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
             raise ArgumentError(f"--compile-backend {args.compile_backend!r} is not a torch.compile backend; use "
                                 f"one of {', '.join(torch._dynamo.list_backends())} (default inductor)")
+    if args.enable_cuda_graph and args.pipeline_model_parallel_size > 1 and args.pipeline_schedule in ZERO_BUBBLE:
+        raise ArgumentError(f"--enable-cuda-graph with --pipeline-schedule {args.pipeline_schedule}: its W split runs "
+                            "each weight gradient outside its layer's backward, which a graph holds whole; use "
+                            "1F1B or interleaved 1F1B (omit --pipeline-schedule), or drop the graphs")
     if args.enable_cuda_graph:
         import torch
 

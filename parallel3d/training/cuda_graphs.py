@@ -5,10 +5,13 @@ Why: a replay is one launch where the eager layer makes a hundred or more. A TP=
 micro-batch 4 is set by the host's launches, not by the GPU (BENCHMARKS.md, issue 26's third lease).
 
 How: ``torch.cuda.make_graphed_callables`` over a chunk's layers, each with its input's shape (a
-micro-batch), a causal mask (None) and the rotary embedding fixed. The layers share one memory pool,
-which holds one micro-batch's activations. So a schedule with several micro-batches in flight cannot
-use them, and pipeline parallelism is refused (``TransformerConfig._check_cuda_graph`` refuses what a
-graph cannot hold). Anything else, say evaluation or another shape, runs eagerly.
+micro-batch), a causal mask (None) and the rotary embedding fixed. One capture's layers share one memory
+pool, which holds one micro-batch's activations until that micro-batch's backward. A pipeline schedule holds
+several micro-batches in flight, so a block gets as many captures (slots) as it had forwards in flight at
+once during the eager warm-up steps (``InFlight`` counts them). A forward takes a free slot, which its
+backward frees; with none free, or for anything else (evaluation, another shape), the layers run eagerly.
+What a graph cannot hold is refused before any work (``TransformerConfig._check_cuda_graph``, and the
+zero-bubble schedules, whose W split runs outside a layer's backward, in the training arguments).
 
 The fused weight gradient (``gradient_accumulation_fusion``) writes into ``main_grad`` inside the
 backward graph. It also tells the DDP hook, in Python, not to add the placeholder gradient it returns
@@ -42,11 +45,54 @@ class _FixedInputs(nn.Module):
         return self.layer(hidden_states, None, self.rotary_pos_emb)
 
 
-class LayerGraphs:
-    """One block's captured layers, for the input shape they were captured with."""
+class Ticket:
+    """One training forward of a block: the slot whose graphs it replays (None: eager)."""
+
+    def __init__(self, slot: Optional[int]):
+        self.slot = slot
+
+
+class InFlight:
+    """A block's training forwards whose backward has not reached the block yet: counted before the capture
+    (``peak``: how many slots to capture), and tracked after it (which slots are free)."""
+
+    def __init__(self):
+        self.count = self.peak = 0
+
+    def _take(self, hidden_states, attention_mask, rotary_pos_emb, inference_params) -> Optional[int]:
+        return None  # before the capture: every forward runs eagerly
+
+    def _free(self, slot: Optional[int]) -> None:
+        pass
+
+    def begin(self, hidden_states, attention_mask, rotary_pos_emb, inference_params) -> Optional[Ticket]:
+        """A ticket for a training forward (grad on), None for anything else."""
+        if not torch.is_grad_enabled() or inference_params is not None:
+            return None
+        self.count += 1
+        self.peak = max(self.peak, self.count)
+        return Ticket(self._take(hidden_states, attention_mask, rotary_pos_emb, inference_params))
+
+    def end(self, ticket: Ticket, output: torch.Tensor) -> torch.Tensor:
+        """The block's output: when its gradient arrives, the backward has reached the block (and replays the
+        slot's backward graphs next, in the same backward call), so the forward is no longer in flight."""
+        def landed(grad: Optional[torch.Tensor] = None) -> None:
+            self.count -= 1
+            self._free(ticket.slot)
+
+        if output.requires_grad:
+            output.register_hook(landed)
+        else:
+            landed()
+        return output
+
+
+class LayerGraphs(InFlight):
+    """One block's captured layers, ``slots`` captures of them, for the input shape they were captured with."""
 
     def __init__(self, layers: nn.ModuleList, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 rotary_pos_emb: Optional[torch.Tensor]):
+                 rotary_pos_emb: Optional[torch.Tensor], slots: int = 1):
+        super().__init__()
         self.shape, self.rotary = tuple(shape), rotary_pos_emb
         wrapped = tuple(_FixedInputs(layer, rotary_pos_emb) for layer in layers)
         # The warm-up's inputs, from a generator of their own: the training's random streams stay untouched
@@ -57,12 +103,14 @@ class LayerGraphs:
         # nodes, made by the eager steps on the default stream, then warn of a stream mismatch that costs
         # nothing here (autograd.grad accumulates nothing). The replays run on the training stream.
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
-        try:
-            self.graphed = torch.cuda.make_graphed_callables(wrapped, samples, allow_unused_input=True)
+        try:  # one capture per slot, each with a memory pool of its own
+            self.graphed = [torch.cuda.make_graphed_callables(wrapped, samples, allow_unused_input=True)
+                            for _ in range(slots)]
         finally:
             torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(True)
-        # The capture ran each layer's Python once: the weights whose fused wgrad wrote into main_grad are those
-        # it marked. Their flags go back to False: the DDP hooks saw none of the capture's gradients.
+        self.free = list(range(slots))
+        # The capture ran each layer's Python: the weights whose fused wgrad wrote into main_grad are those it
+        # marked. Their flags go back to False: the DDP hooks saw none of the capture's gradients.
         self.fused = []
         for layer in layers:
             marked = [p for p in layer.parameters() if getattr(p, "grad_added_to_main_grad", False)]
@@ -76,8 +124,17 @@ class LayerGraphs:
                 and tuple(hidden_states.shape) == self.shape and (rotary_pos_emb is None) == (self.rotary is None)
                 and (rotary_pos_emb is None or rotary_pos_emb.shape == self.rotary.shape))
 
-    def layer(self, index: int, hidden_states: torch.Tensor) -> torch.Tensor:
-        out = self.graphed[index](hidden_states)
+    def _take(self, hidden_states, attention_mask, rotary_pos_emb, inference_params) -> Optional[int]:
+        if not self.free or not self.replays(hidden_states, attention_mask, rotary_pos_emb, inference_params):
+            return None
+        return self.free.pop()
+
+    def _free(self, slot: Optional[int]) -> None:
+        if slot is not None:
+            self.free.append(slot)
+
+    def layer(self, slot: int, index: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = self.graphed[slot][index](hidden_states)
         fused = self.fused[index]
         if fused and out.requires_grad:
             def mark(grad: torch.Tensor) -> None:  # runs before the layer's backward graph replays
@@ -86,6 +143,12 @@ class LayerGraphs:
 
             out.register_hook(mark)
         return out
+
+
+def count_in_flight(model: list) -> None:
+    """Before the warm-up steps: every block counts its forwards in flight (the slots its capture needs)."""
+    for _, block in _blocks(model):
+        block.__dict__["cuda_graphs"] = InFlight()
 
 
 def describe(config) -> Optional[str]:
@@ -114,8 +177,9 @@ def _blocks(model: list):
 
 def capture_cuda_graphs(model: list, micro_batch_size: int) -> int:
     """Capture the layers of every chunk of ``model`` (between two training steps: the capture's warm-up runs
-    forward and backward, and its fused weight gradients land in main_grad, which the next step zeroes).
-    Every rank of a TP group calls it at the same step. Returns the number of layers captured."""
+    forward and backward, and its fused weight gradients land in main_grad, which the next step zeroes), as
+    many times as the block had forwards in flight since ``count_in_flight`` (one without it). Every rank of a
+    TP group calls it at the same step. Returns the number of layers captured (once each)."""
     captured = 0
     for module, block in _blocks(model):
         cfg = block.config
@@ -124,7 +188,9 @@ def capture_cuda_graphs(model: list, micro_batch_size: int) -> int:
         rotary = None
         if getattr(module, "rotary_pos_emb", None) is not None:
             rotary = module.rotary_pos_emb(cfg.seq_length, device)
-        block.__dict__["cuda_graphs"] = LayerGraphs(block.layers, shape, cfg.params_dtype, device, rotary)
+        seen = block.cuda_graphs.peak if isinstance(block.cuda_graphs, InFlight) else 1
+        block.__dict__["cuda_graphs"] = LayerGraphs(block.layers, shape, cfg.params_dtype, device, rotary,
+                                                    slots=max(1, seen))
         captured += len(block.layers)
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -135,12 +201,12 @@ def release_cuda_graphs(model: list, wait: bool = True) -> int:
     """Drop every chunk's captured graphs (the layers run eagerly again) and free them, so the process groups
     can be destroyed. ``wait``: first let the GPU finish their last replay (not after a failure, where the
     GPU may never finish). Returns the number of blocks released."""
-    held = [block for _, block in _blocks(model) if block.cuda_graphs is not None]
-    if not held:
-        return 0
-    if wait and torch.cuda.is_initialized():
+    blocks = [block for _, block in _blocks(model) if block.cuda_graphs is not None]
+    held = sum(isinstance(block.cuda_graphs, LayerGraphs) for block in blocks)
+    if held and wait and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    for block in held:
+    for block in blocks:  # the counters of a run that never reached its capture go too
         block.__dict__["cuda_graphs"] = None
-    gc.collect()  # the graphed autograd functions sit in reference cycles: free the graphs now, not later
-    return len(held)
+    if held:
+        gc.collect()  # the graphed autograd functions sit in reference cycles: free the graphs now, not later
+    return held

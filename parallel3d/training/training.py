@@ -27,7 +27,7 @@ from parallel3d.device import default_device
 from parallel3d.distributed_timeout import CommunicationError
 from parallel3d.distributed import get_megatron_optimizer
 from parallel3d.training.checkpoint_lock import save_dir_guard
-from parallel3d.training.cuda_graphs import capture_cuda_graphs, release_cuda_graphs
+from parallel3d.training.cuda_graphs import capture_cuda_graphs, count_in_flight, release_cuda_graphs
 from parallel3d.training.cuda_graphs import describe as describe_launches
 from parallel3d.training.data_iterators import build_data_iterators
 from parallel3d.training.evaluation import evaluate
@@ -106,6 +106,8 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
     first_iteration = iteration
     graphs_after = getattr(model_config, "cuda_graph_warmup_steps", 0) if getattr(model_config, "enable_cuda_graph",
                                                                                   False) else 0
+    if graphs_after:
+        count_in_flight(model)  # the warm-up steps count each block's forwards in flight: its capture's slots
     try:
         while iteration < loop.train_iters:
             step_config = config.at_consumed(consumed_train)  # --rampup-batch-size: this iteration's global batch

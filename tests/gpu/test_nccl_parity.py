@@ -42,14 +42,17 @@ LAYOUTS = {
         # the layers replayed as CUDA graphs from the second step (the fused wgrad's flag, the DDP hooks)
         "tp2-sp-graph": (2, 1, None, True, ["--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"]),
         "dp2-overlap-graph": (1, 1, None, False, ["--overlap-grad-reduce", "--enable-cuda-graph",
-                                                  "--cuda-graph-warmup-steps", "1"])},
+                                                  "--cuda-graph-warmup-steps", "1"]),
+        # 1F1B with graphs: the first stage replays two slots, one per micro-batch in flight
+        "pp2-graph": (1, 2, None, False, ["--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"])},
     4: {"tp2-pp2-v2-sp": (2, 2, 2, True, []),
         "tp2-dp2": (2, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
         "pp2-dp2": (1, 2, None, False, ["--use-distributed-optimizer"]),
         "pp4": (1, 4, None, False, []),
         # CUDA graphs with TP + SP and ZeRO-1's parameter updates (the graphs read the weights in place)
         "tp2-dp2-sp-graph": (2, 1, None, True, ["--use-distributed-optimizer", "--overlap-grad-reduce",
-                                                "--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"])},
+                                                "--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"]),
+        "tp2-pp2-v2-sp-graph": (2, 2, 2, True, ["--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"])},
 }
 GRAPHS_NEED_CUDA = "graph"  # layouts whose name holds this run on GPUs only (--enable-cuda-graph needs CUDA)
 RESUME = {2: [("tp2-sp", "llama"), ("pp2-v2", "gpt2")], 4: [("tp2-pp2-v2-sp", "gpt2")]}
@@ -225,7 +228,8 @@ def test_driver_on_cpu_ranks(tmp_path):
     refs += [_case("reference", "ref_gpt2_bf16", "gpt2", "bf16")]
     launch(1, refs, out, "cpu", timeout=240)
     cases = [c for c in layout_cases(4, dtypes=("fp32",)) if GRAPHS_NEED_CUDA not in c["name"]]
-    cases += [c for c in layout_cases(4, ("gpt2",), ("bf16",)) if c["name"].startswith("tp2-pp2")]
+    cases += [c for c in layout_cases(4, ("gpt2",), ("bf16",))
+              if c["name"].startswith("tp2-pp2") and GRAPHS_NEED_CUDA not in c["name"]]
     result = launch(4, cases + _resume_cases(4), out, "cpu", timeout=400)
     for case in cases:
         check_case(out, case)
