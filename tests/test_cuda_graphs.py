@@ -118,6 +118,29 @@ def test_the_block_replays_the_captured_forward_only_and_keeps_its_state_dict():
     assert graphs.replayed == [0, 1]
 
 
+def test_each_slot_captures_its_own_static_inputs_and_wrappers(monkeypatch):
+    """make_graphed_callables keeps the sample tensors as a graph's static inputs (a replay copies its input
+    there, the backward reads it) and points each module's forward at its graph. Two slots sharing either
+    would replay one micro-batch's backward with another's input (the PP graph layouts' gradients were off on
+    4 x H100), or capture a replay of the first slot inside the second."""
+    calls = []
+
+    def capture(callables, samples, allow_unused_input):
+        calls.append((callables, samples))
+        return tuple(callables)
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", capture)
+    model = GPTModel(_config())
+    shape = (32, 2, model.config.hidden_size)
+    LayerGraphs(model.decoder.layers, shape, torch.float32, torch.device("cpu"), None, slots=3)
+    assert len(calls) == 3
+    wrappers = [id(module) for callables, _ in calls for module in callables]
+    inputs = [sample.data_ptr() for _, samples in calls for (sample,) in samples]
+    assert len(set(wrappers)) == len(wrappers) == 3 * len(model.decoder.layers)
+    assert len(set(inputs)) == len(inputs)
+    assert all(sample.shape == shape and sample.requires_grad for _, samples in calls for (sample,) in samples)
+
+
 def _fake_capture(blocks, fail_after=None):
     """Stands in for capture_cuda_graphs (CUDA only): puts a _Recording on every block, which raises at replay
     number ``fail_after`` (a failed step) if given."""

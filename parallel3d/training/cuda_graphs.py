@@ -94,18 +94,24 @@ class LayerGraphs(InFlight):
                  rotary_pos_emb: Optional[torch.Tensor], slots: int = 1):
         super().__init__()
         self.shape, self.rotary = tuple(shape), rotary_pos_emb
-        wrapped = tuple(_FixedInputs(layer, rotary_pos_emb) for layer in layers)
-        # The warm-up's inputs, from a generator of their own: the training's random streams stay untouched
+        # The warm-up's inputs, from a generator of their own: the training's random streams stay untouched.
+        # They become the graphs' static inputs, which a replay overwrites and its backward reads: each slot
+        # gets its own, as it gets wrappers of its own (make_graphed_callables points a module's forward at its
+        # graph, so a second capture of the same wrappers would replay the first inside its own capture).
         noise = torch.Generator(device=device).manual_seed(0)
-        samples = tuple((torch.randn(shape, dtype=dtype, device=device, generator=noise, requires_grad=True),)
-                        for _ in wrapped)
+
+        def capture():
+            samples = tuple((torch.randn(shape, dtype=dtype, device=device, generator=noise, requires_grad=True),)
+                            for _ in layers)
+            wrapped = tuple(_FixedInputs(layer, rotary_pos_emb) for layer in layers)
+            return torch.cuda.make_graphed_callables(wrapped, samples, allow_unused_input=True)
+
         # The capture's warm-up asks autograd for the weights' gradients on a side stream; their AccumulateGrad
         # nodes, made by the eager steps on the default stream, then warn of a stream mismatch that costs
         # nothing here (autograd.grad accumulates nothing). The replays run on the training stream.
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
         try:  # one capture per slot, each with a memory pool of its own
-            self.graphed = [torch.cuda.make_graphed_callables(wrapped, samples, allow_unused_input=True)
-                            for _ in range(slots)]
+            self.graphed = [capture() for _ in range(slots)]
         finally:
             torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(True)
         self.free = list(range(slots))
