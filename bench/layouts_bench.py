@@ -16,6 +16,9 @@ import argparse
 import json
 import os
 import sys
+from unittest import mock
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "bench"), ROOT]
@@ -120,7 +123,10 @@ def predict(name: str, cluster) -> tuple[float, float]:
     from parallel3d.planning.hardware import GIB
 
     gpus, both, ours_only, _ = RUNS[name]
-    _, args = gpt_bench.bench_args(both + ours_only, world=gpus)
+    # The prediction is for the GPU machine the run measured, from any machine: the arguments' "needs a CUDA
+    # device" rule (--enable-cuda-graph) is about the machine that trains, not this one
+    with mock.patch.object(torch.cuda, "is_available", lambda: True):
+        _, args = gpt_bench.bench_args(both + ours_only, world=gpus)
     model = ModelSpec.from_config(gpt.transformer_config_from_args(args))
     est = estimate(model, Layout.from_args(args), cluster)
     return est.step_time_s, est.memory[-1].peak / GIB
