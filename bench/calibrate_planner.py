@@ -20,8 +20,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
+from launch import bounded  # noqa: E402
 from parallel3d.planning.hardware import get_cluster  # noqa: E402
 
 GEMM_SHAPES = [  # (m, n, k): tokens x out x in of GPT layers at mbs 1-4, seq 2048, plus squares
@@ -189,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collectives-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.collectives_worker:
+        from parallel3d.lifetime import exit_with_launcher
+
+        exit_with_launcher()  # a worker must not outlive a killed torchrun (parallel3d/lifetime.py)
         measure_collectives(args.collectives_worker)
         return 0
     measured = measure_local(get_cluster(args.base).gemm.peak_tflops)
@@ -198,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
                    os.path.abspath(__file__), "--collectives-worker", path]
             try:
-                subprocess.run(cmd, cwd=ROOT, timeout=args.timeout, check=True)
+                code = bounded(cmd, args.timeout)
+                if code != 0:
+                    raise subprocess.SubprocessError("timed out" if code is None else f"exit code {code}")
                 coll = json.load(open(path))
                 measured["raw"]["collectives_gbs"] = coll
                 measured["intra_busbw_gbs"] = coll["all_reduce"]

@@ -32,7 +32,9 @@ import sysconfig
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+
+from launch import bounded  # noqa: E402
 
 GOAL = 0.01  # issue 28: FP8's final loss within 1% of bf16's
 MODEL = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "512",
@@ -105,11 +107,11 @@ def train(name: str, flags: list[str], a: argparse.Namespace, prefix: str) -> di
     env = {**os.environ, **({"PARALLEL3D_DEVICE": "cpu"} if a.cpu_smoke else {})}
     t0, status = time.monotonic(), "finished"
     with open(os.path.join(a.out, "logs", f"fp8_convergence_{name}.log"), "w") as log:
-        try:
-            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout, cwd=ROOT, env=env)
-            status = "finished" if done.returncode == 0 else f"failed (exit {done.returncode})"
-        except subprocess.TimeoutExpired:
+        code = bounded(cmd, a.timeout, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if code is None:
             status = f"cut at the {a.timeout} s timeout"
+        elif code:
+            status = f"failed (exit {code})"
     try:
         train_loss, valid_loss = read_log(log_json)
     except (OSError, ValueError):

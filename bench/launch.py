@@ -10,6 +10,10 @@ from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = os.path.join(ROOT, "bench", "gpt_bench.py")
+if ROOT not in sys.path:  # a plain checkout: parallel3d from here, installed or not
+    sys.path.insert(0, ROOT)
+
+from parallel3d.lifetime import kill_job  # noqa: E402
 
 
 def _anchor(name: str) -> Optional[str]:
@@ -26,6 +30,19 @@ TITAN = (os.path.join(ROOT, "bench", "torchtitan_bench.py")
          if glob.glob(os.path.join(TITAN_WHEELS, "torchtitan-*.whl")) else None)
 
 
+def bounded(cmd: list[str], timeout: float, **popen) -> Optional[int]:
+    """Run a torchrun command line for at most ``timeout`` seconds; its exit code, None past the timeout. Past
+    it, or when this process is interrupted, torchrun and every worker it started are killed: a worker left
+    behind would share the GPUs with the next run (``parallel3d.lifetime.kill_job``)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, **popen)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        kill_job(proc)
+
+
 def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: str,
         timeout: Optional[int] = None, env: Optional[dict] = None) -> Optional[dict]:
     """torchrun ``script`` with ``args`` (and ``env`` added to the environment); the parsed RESULT_JSON, or
@@ -38,10 +55,7 @@ def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script] + args
     log = os.path.join(log_dir, f"{name}.log")
     with open(log, "w") as f:
-        try:
-            subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT,
-                           env={**os.environ, **(env or {})})
-        except subprocess.TimeoutExpired:
+        if bounded(cmd, timeout, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}) is None:
             f.write(f"\nTIMEOUT after {timeout}s\n")
     for line in open(log):
         if line.startswith("RESULT_JSON: "):

@@ -124,4 +124,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from parallel3d.lifetime import exit_with_launcher
+
+    exit_with_launcher()  # a worker must not outlive a killed torchrun (parallel3d/lifetime.py)
     main()

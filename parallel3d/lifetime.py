@@ -94,6 +94,49 @@ def exit_with_launcher(use_prctl: bool = sys.platform.startswith("linux")) -> bo
     return True
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc; none found elsewhere)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in filter(str.isdigit, entries):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL ``pid``'s process group where it leads one (a torchrun worker leads its own session), else ``pid``."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_job(launcher) -> None:
+    """SIGKILL a launch (``subprocess.Popen`` of torchrun) and every process it started, then reap it.
+
+    torchrun starts each worker in a session of its own, so killing torchrun's process group misses them; a
+    worker that never armed ``exit_with_launcher`` (a peer's script, a test worker), or one blocked where the
+    parent-death signal cannot reach it yet, then runs on and holds its GPU beside the next launch (a GPU bench
+    call once ran at half speed behind such workers). The workers are found and killed first, while torchrun
+    is still their parent."""
+    if launcher.poll() is None:
+        for child in _children(launcher.pid):
+            _kill_group(child)
+        _kill_group(launcher.pid)
+    launcher.wait()
+
+
 def exit_after_run(code: int = 0) -> None:
     """End a finished launch script now, without interpreter finalization: its checkpoints are written and its
     logs closed; only stdout and stderr are flushed here. Where anything still references a process group,

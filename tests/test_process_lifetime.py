@@ -157,12 +157,16 @@ def test_a_finished_script_exits_with_its_code_and_its_output_flushed():
     assert proc.returncode == 3 and proc.stdout == "last line" and proc.stderr == "last error line", proc
 
 
+# a torchrun worker that writes "<its launcher's pid> <its pid>" to argv[1], then sleeps
+_SLEEPER = ("import os, sys, time\n"
+            "open(sys.argv[1] + '.tmp', 'w').write(f'{os.getppid()} {os.getpid()}')\n"
+            "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\ntime.sleep(600)\n")
+
+
 def test_a_terminated_pytest_takes_its_torchrun_jobs_with_it(tmp_path):
     """SIGTERM to pytest (what ``timeout`` sends) ends the torchrun job a test started through tests/torchrun.py:
     the job runs in its own session, and once outlived a killed pytest, busying the GPUs of the next run."""
-    (tmp_path / "sleeper.py").write_text("import os, sys, time\n"
-                                         "open(sys.argv[1] + '.tmp', 'w').write(f'{os.getppid()} {os.getpid()}')\n"
-                                         "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\ntime.sleep(600)\n")
+    (tmp_path / "sleeper.py").write_text(_SLEEPER)
     pids_file = tmp_path / "pids"
     (tmp_path / "test_job.py").write_text(
         "import torchrun\n\ndef test_job():\n"
@@ -181,7 +185,30 @@ def test_a_terminated_pytest_takes_its_torchrun_jobs_with_it(tmp_path):
         pids = [int(p) for p in pids_file.read_text().split()]  # torchrun's agent, its worker
         pytest_proc.send_signal(signal.SIGTERM)
         pytest_proc.wait(timeout=30)
-        left = _gone_within(pids[:1], DIE_WITHIN_S)
-        assert not left, f"torchrun {left} outlived the SIGTERMed pytest by {DIE_WITHIN_S} s"
+        # the worker too: it sits in a session of its own and arms no guard (a test worker, a peer's script)
+        left = _gone_within(pids, DIE_WITHIN_S)
+        assert not left, f"torchrun / its worker {left} outlived the SIGTERMed pytest by {DIE_WITHIN_S} s"
     finally:
         _kill(pids, pytest_proc)
+
+
+def test_a_timed_out_bench_run_leaves_no_worker_behind(tmp_path):
+    """bench/launch.py: a run past its timeout ends with every worker, so none shares the GPUs with the next run
+    (a 4-GPU bench call once ran at half speed behind the workers of a stopped test)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from launch import bounded
+
+    (tmp_path / "sleeper.py").write_text(_SLEEPER)
+    pids_file = tmp_path / "pids"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           str(tmp_path / "sleeper.py"), str(pids_file)]
+    pids = []
+    try:
+        assert bounded(cmd, 20, env=dict(os.environ, OMP_NUM_THREADS="1")) is None  # the sleeper never ends
+        assert pids_file.exists(), "the worker did not start within the timeout"
+        pids = [int(p) for p in pids_file.read_text().split()]
+        assert not _gone_within(pids, DIE_WITHIN_S), "torchrun or its worker outlived the timed-out run"
+    finally:
+        for pid in pids:
+            if torchrun.alive(pid):
+                os.kill(pid, signal.SIGKILL)

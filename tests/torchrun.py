@@ -1,8 +1,9 @@
 """Launch a script under torchrun from a test, bounded, and time how long it takes to exit.
 
 ``run(nproc, argv, timeout, env)`` starts ``python -m torch.distributed.run`` in a new session, reads
-its output line by line with the time each line arrived, and kills the whole session (torchrun and
-every worker) at ``timeout``, so a hung job fails the test in bounded time and leaves nothing behind.
+its output line by line with the time each line arrived, and kills torchrun and every worker
+(``parallel3d.lifetime.kill_job``) at ``timeout``, so a hung job fails the test in bounded time and
+leaves nothing behind.
 
 ``start(...)`` launches without waiting (output to ``out.txt``/``err.txt``) for tests that act on a
 running job: ``workers`` finds its worker processes by rank, ``wait_for`` a line, ``alive`` a pid,
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from parallel3d.lifetime import kill_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,9 +65,7 @@ def run(nproc: int, argv: list, timeout: float, env: dict | None = None) -> Laun
     except subprocess.TimeoutExpired:
         pass
     finally:  # past the timeout, or pytest itself interrupted (tests/conftest.py): no job outlives its test
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and all its workers
-            proc.wait()
+        kill_job(proc)  # torchrun and every worker (each in a session of its own)
     exited_at = time.monotonic() - start
     reader.join(timeout=10)
     return Launch(proc.returncode, lines, exited_at)
@@ -122,6 +123,4 @@ def cleanup(agent: subprocess.Popen, pids) -> None:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-    if agent.poll() is None:
-        os.killpg(agent.pid, signal.SIGKILL)
-    agent.wait(timeout=30)
+    kill_job(agent)
