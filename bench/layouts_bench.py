@@ -81,6 +81,10 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     "7b-tp4-graph": (4, SEVEN_B + ["--enable-cuda-graph"], [], False),
     "tp2-co16-nc8": (2, TP2_NOSP, ["--sm-carveout", "16"], False),
 }
+# A row without --enable-cuda-graph measures the eager layers: parallel3d's default replays a TP run's layers
+# as graphs (arguments.py, _cuda_graph_rules), which the "-graph" rows measure by name
+RUNS = {name: (gpus, both, ours + ([] if "--enable-cuda-graph" in both + ours else ["--cuda-graph-impl", "none"]), peer)
+        for name, (gpus, both, ours, peer) in RUNS.items()}
 # parallel3d runs' extra environment: NCCL's stream at high priority, and (nc8) at most 8 channels, so its
 # blocks fit in the SMs the GEMMs leave free
 _NC8 = {"TORCH_NCCL_HIGH_PRIORITY": "1", "NCCL_MAX_NCHANNELS": "8"}

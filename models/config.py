@@ -72,6 +72,21 @@ def num_floating_point_operations(*, batch_size: int, seq_length: int, num_layer
             + 6 * batch_size * s * s * L * q)
 
 
+def cuda_graph_blockers(hidden_dropout: float, attention_dropout: float, recompute_granularity: Optional[str],
+                        fp8: Optional[str], compile_layers: bool) -> list[str]:
+    """What a captured layer cannot hold, each named with its fix: random numbers drawn in Python (dropout's
+    RNG tracker), a second forward inside backward (recompute), FP8's Python-side scaling state and Inductor's
+    own graphs. The one rule for the refusal (TransformerConfig) and for the default (the training arguments
+    turn the graphs on where none applies)."""
+    blockers = {
+        "hidden_dropout / attention_dropout > 0 (set both to 0)": hidden_dropout > 0 or attention_dropout > 0,
+        "recompute_granularity (drop recomputation)": recompute_granularity is not None,
+        "fp8 (train in bf16)": fp8 is not None,
+        "compile_layers (--compile: choose one)": bool(compile_layers),
+    }
+    return [name for name, applies in blockers.items() if applies]
+
+
 @dataclass
 class TransformerConfig:
     # --- architecture ---------------------------------------------------------------------------
@@ -244,20 +259,14 @@ class TransformerConfig:
         self.params_dtype = dtype
 
     def _check_cuda_graph(self) -> None:
-        """What a captured layer cannot hold: random numbers drawn in Python (dropout's RNG tracker), a second
-        forward inside backward (recompute), FP8's Python-side scaling state and Inductor's own graphs. (The
-        zero-bubble schedules' W split is refused with the schedule, in the training arguments.)"""
+        """The graphs' refusals (cuda_graph_blockers); the zero-bubble schedules' W split is refused with the
+        schedule, in the training arguments."""
         if not self.enable_cuda_graph:
             return
         if not isinstance(self.cuda_graph_warmup_steps, int) or self.cuda_graph_warmup_steps < 1:
             raise ValueError(f"cuda_graph_warmup_steps must be a positive integer, got {self.cuda_graph_warmup_steps!r}")
-        refused = {
-            "hidden_dropout / attention_dropout > 0 (set both to 0)": self.hidden_dropout > 0 or self.attention_dropout > 0,
-            "recompute_granularity (drop recomputation)": self.recompute_granularity is not None,
-            "fp8 (train in bf16)": self.fp8 is not None,
-            "compile_layers (--compile: choose one)": self.compile_layers,
-        }
-        named = [name for name, bad in refused.items() if bad]
+        named = cuda_graph_blockers(self.hidden_dropout, self.attention_dropout, self.recompute_granularity,
+                                    self.fp8, self.compile_layers)
         if named:
             raise ValueError(f"enable_cuda_graph is not supported with {'; '.join(named)}: a captured layer replays "
                              "a micro-batch's fixed kernels")

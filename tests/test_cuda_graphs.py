@@ -62,10 +62,36 @@ def test_megatrons_cuda_graph_flags_mean_per_layer_graphs(monkeypatch, flags, wa
     assert validate_args(parse_args(BASE + flags), 1).enable_cuda_graph is wanted
 
 
+TP2 = ["--tensor-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("flags, world, wanted", [
+    (TP2, 2, True),
+    (TP2 + ["--sequence-parallel", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"], 4, True),
+    (TP2 + ["--cuda-graph-impl", "none"], 2, False),  # Megatron's value for eager layers
+    ([], 1, False),  # one GPU: no faster with graphs
+    (TP2 + ["--hidden-dropout", "0.1"], 2, False),
+    (TP2 + ["--recompute-granularity", "selective"], 2, False),
+    (TP2 + ["--compile"], 2, False),
+    (TP2 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--global-batch-size", "4"], 4,
+     False),
+    (TP2 + ["--distributed-backend", "gloo"], 2, False),  # CPU ranks
+])
+def test_graphs_are_the_default_where_tensor_parallel_runs_on_gpus_and_a_graph_holds_the_run(
+        monkeypatch, flags, world, wanted):
+    """Where no flag decides, a TP run on GPUs replays its layers as graphs (faster on every TP layout measured),
+    unless the run holds what a graph cannot (the same rule that refuses --enable-cuda-graph there)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("PARALLEL3D_DEVICE", "auto")  # the tests' CPU rule off: a machine with GPUs
+    args = validate_args(parse_args(BASE + ["--num-layers", "4"] + flags), world)
+    assert args.enable_cuda_graph is wanted
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl full_iteration is not supported"),
     (["--enable-cuda-graph", "--external-cuda-graph"], "cannot be given together"),
     (["--enable-cuda-graph", "--cuda-graph-impl", "local"], "--cuda-graph-impl local with --enable-cuda-graph"),
+    (["--enable-cuda-graph", "--cuda-graph-impl", "none"], "--cuda-graph-impl none with --enable-cuda-graph"),
     (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "mlp"], "--cuda-graph-modules attn mlp is not"),
     (["--cuda-graph-modules", "full", "--cuda-graph-scope", "full"], "give one"),
     (["--inference-cuda-graph-scope", "layer"], "--inference-cuda-graph-scope layer is not supported"),
@@ -212,7 +238,11 @@ def test_the_log_says_how_a_tensor_parallel_run_launches_its_layers(monkeypatch)
     assert describe(_config(enable_cuda_graph=False)) is None  # one GPU, eager: nothing to say
     assert describe(_config(tensor_model_parallel_size=2, sequence_parallel=True)) == (
         "TP=2 + SP, layers launched as CUDA graphs: captured after 3 eager steps, then replayed (--enable-cuda-graph)")
-    assert "launched eagerly" in describe(_config(tensor_model_parallel_size=2, enable_cuda_graph=False))
+    assert describe(_config(tensor_model_parallel_size=2, enable_cuda_graph=False)).endswith(
+        "layers launched eagerly (CUDA graphs, the default for TP on GPUs, are off: --cuda-graph-impl none, a "
+        "zero-bubble schedule, or CPU ranks)")
+    assert describe(_config(tensor_model_parallel_size=2, enable_cuda_graph=False, hidden_dropout=0.1)).endswith(
+        "are off: hidden_dropout / attention_dropout > 0 (set both to 0))")
     # pretrain prints it before training (one process with graphs here; the capture stands in, as above)
     from parallel3d.training import training
 

@@ -51,6 +51,21 @@ def test_evaluate_json_has_one_layout(capsys):
     assert (d["tensor_model_parallel_size"], d["data_parallel_size"], d["num_microbatches"]) == (2, 2, 4)
 
 
+def test_evaluate_prices_training_default_of_cuda_graphs_for_tensor_parallelism(capsys):
+    """A TP layout is evaluated as training runs it: its layers replayed as CUDA graphs where a graph holds the run
+    (arguments.py), eager with --cuda-graph-impl none or dropout."""
+    argv = GPT + ["--global-batch-size", "32", "--micro-batch-size", "4", "--tensor-model-parallel-size", "2",
+                  "--sequence-parallel", "--num-gpus", "4", "--cluster", "h100-sxm", "--json"]
+    found = {}
+    for name, extra in (("default", []), ("none", ["--cuda-graph-impl", "none"]),
+                        ("dropout", ["--hidden-dropout", "0.1"]), ("local", ["--cuda-graph-impl", "local"])):
+        assert plan.main(argv + extra) == 0
+        (found[name],) = json.loads(capsys.readouterr().out)["layouts"]
+    assert found["default"]["enable_cuda_graph"] and found["local"]["enable_cuda_graph"]
+    assert not found["none"]["enable_cuda_graph"] and not found["dropout"]["enable_cuda_graph"]
+    assert found["default"]["step_time_s"] == found["local"]["step_time_s"] < found["none"]["step_time_s"]
+
+
 def test_bad_layout_is_one_clear_line():
     argv = GPT + ["--global-batch-size", "32", "--tensor-model-parallel-size", "3", "--num-gpus", "6"]
     r = subprocess.run([sys.executable, "tools/plan.py"] + argv, cwd=ROOT, capture_output=True, text=True,

@@ -97,7 +97,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--sequence-parallel", action="store_true")
     t.add_argument("--use-distributed-optimizer", action="store_true")
     t.add_argument("--overlap-grad-reduce", action="store_true")
-    t.add_argument("--enable-cuda-graph", action="store_true", help="the layers replayed as CUDA graphs (PP=1)")
+    t.add_argument("--enable-cuda-graph", action="store_true", help="the layers replayed as CUDA graphs (1F1B or "
+                   "interleaved schedules); training's default for TP > 1 where a graph holds the run")
+    t.add_argument("--cuda-graph-impl", choices=["none", "local", "transformer_engine"], default=None,
+                   help="as pretrain_gpt.py's: none keeps the layers eager; local / transformer_engine = "
+                        "--enable-cuda-graph")
     t.add_argument("--bf16", action="store_true", default=True, help="bf16 params, fp32 grads/masters (default)")
     t.add_argument("--fp32", dest="bf16", action="store_false", help="fp32 everything")
     t.add_argument("--fp16", dest="bf16", action="store_true", help="as --bf16: the same bytes per value")
@@ -191,6 +195,16 @@ def report(est: StepEstimate, out=None, draw: bool = True, force_timeline: bool 
             print(f"  (timeline of PP={est.layout.pp} omitted; --timeline draws it)", file=out)
 
 
+def _default_graphs(model, layout: Layout) -> Layout:
+    """Training's default (arguments.py): a TP run replays its layers as CUDA graphs where a graph holds it."""
+    graphed = replace(layout, enable_cuda_graph=True)
+    try:
+        graphed.check(model)
+    except ValueError:
+        return layout
+    return graphed
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
@@ -200,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = None if args.recompute_granularity in (None, "none") else args.recompute_granularity
         base = Layout(global_batch_size=args.global_batch_size, bf16=args.bf16,
                       overlap_grad_reduce=args.overlap_grad_reduce, pipeline_split=args.pipeline_split,
-                      enable_cuda_graph=args.enable_cuda_graph)
+                      enable_cuda_graph=args.enable_cuda_graph or args.cuda_graph_impl not in (None, "none"))
         given = {k: getattr(args, k) for k in LAYOUT_FLAGS if getattr(args, k) is not None}
         if args.tensor_model_parallel_size or args.pipeline_model_parallel_size:  # evaluate mode
             tp, pp = args.tensor_model_parallel_size or 1, args.pipeline_model_parallel_size or 1
@@ -212,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                              recompute_granularity=rc, sequence_parallel=args.sequence_parallel,
                              use_distributed_optimizer=args.use_distributed_optimizer,
                              pipeline_schedule=args.pipeline_schedule)
+            if tp > 1 and args.cuda_graph_impl is None and not layout.enable_cuda_graph:
+                layout = _default_graphs(model, layout)
             results, header = [estimate(model, layout, cluster)], None
         else:
             fixed = {k: v for k, v in given.items() if k in ("micro_batch_size", "recompute_granularity",

@@ -84,7 +84,7 @@ class StepEstimate:
             "num_gpus": L.num_gpus, "micro_batch_size": L.micro_batch_size,
             "num_microbatches": L.num_microbatches, "recompute_granularity": L.recompute_granularity,
             "sequence_parallel": L.sequence_parallel, "use_distributed_optimizer": L.use_distributed_optimizer,
-            "schedule": L.schedule_name(m), "step_time_s": self.step_time_s,
+            "enable_cuda_graph": L.enable_cuda_graph, "schedule": L.schedule_name(m), "step_time_s": self.step_time_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "tflops_per_gpu": self.tflops_per_gpu,
             "mfu": self.tflops_per_gpu / self.cluster.gemm.peak_tflops,
             "peak_memory_gb": self.peak_memory_gib, "fits": self.fits,

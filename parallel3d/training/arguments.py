@@ -36,6 +36,8 @@ from parallel3d.training.megatron_args import (
     check_refusals,
     resolve_cuda_graph_flags,
 )
+from parallel3d.device import default_backend
+from parallel3d.models.config import cuda_graph_blockers
 from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size, model_parallel_sizes
 from parallel3d.pipeline.forward_backward import default_schedule_name
 from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, ZERO_BUBBLE, check_schedule_args
@@ -82,7 +84,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="torch.compile's backend with --compile (torchtitan's compile.backend)")
     g.add_argument("--enable-cuda-graph", action="store_true", help="capture each transformer layer's forward "
                    "and backward as CUDA graphs and replay them (Megatron's; CUDA, bf16/fp32; not with "
-                   "dropout, recompute, FP8, --compile or a zero-bubble --pipeline-schedule)")
+                   "dropout, recompute, FP8, --compile or a zero-bubble --pipeline-schedule). The default where "
+                   "TP > 1 on GPUs and nothing of these applies; --cuda-graph-impl none turns it off")
     g.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
                    help="eager training steps before the capture (Megatron's)")
 
@@ -268,6 +271,31 @@ def _layout_rule(rule: Callable[..., Any], *sizes: Any) -> Any:
         raise ArgumentError(str(e)) from None
 
 
+def _cuda_graph_rules(args: argparse.Namespace) -> None:
+    """Per-layer CUDA graphs: refused where a graph cannot hold the run; where no flag decides
+    (--cuda-graph-impl unset), on in every TP > 1 run on GPUs that a graph can hold. There the eager step is
+    bound by the host's launches and the graphs measured faster on every TP layout (BENCHMARKS.md, issue 26);
+    one GPU gained nothing. --cuda-graph-impl none keeps the layers eager."""
+    zero_bubble = args.pipeline_model_parallel_size > 1 and args.pipeline_schedule in ZERO_BUBBLE
+    if args.enable_cuda_graph:
+        if zero_bubble:
+            raise ArgumentError(f"--enable-cuda-graph with --pipeline-schedule {args.pipeline_schedule}: its W split "
+                                "runs each weight gradient outside its layer's backward, which a graph holds whole; "
+                                "use 1F1B or interleaved 1F1B (omit --pipeline-schedule), or drop the graphs")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ArgumentError("--enable-cuda-graph (or --cuda-graph-impl) needs a CUDA device (no GPU is visible): "
+                                "omit the flag")
+        return
+    if args.cuda_graph_impl is not None:  # --cuda-graph-impl none
+        return
+    blockers = cuda_graph_blockers(args.hidden_dropout, args.attention_dropout, args.recompute_granularity,
+                                   args.fp8, args.compile)
+    on_gpus = (args.distributed_backend or default_backend()) == "nccl"
+    args.enable_cuda_graph = args.tensor_model_parallel_size > 1 and on_gpus and not zero_bubble and not blockers
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive DP size, virtual size and microbatch count; refuse impossible settings.
 
@@ -341,16 +369,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         if args.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
             raise ArgumentError(f"--compile-backend {args.compile_backend!r} is not a torch.compile backend; use "
                                 f"one of {', '.join(torch._dynamo.list_backends())} (default inductor)")
-    if args.enable_cuda_graph and args.pipeline_model_parallel_size > 1 and args.pipeline_schedule in ZERO_BUBBLE:
-        raise ArgumentError(f"--enable-cuda-graph with --pipeline-schedule {args.pipeline_schedule}: its W split runs "
-                            "each weight gradient outside its layer's backward, which a graph holds whole; use "
-                            "1F1B or interleaved 1F1B (omit --pipeline-schedule), or drop the graphs")
-    if args.enable_cuda_graph:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ArgumentError("--enable-cuda-graph (or --cuda-graph-impl) needs a CUDA device (no GPU is visible): "
-                                "omit the flag")
+    _cuda_graph_rules(args)
     if not args.group_query_attention:
         args.num_query_groups = None
     try:

@@ -2,7 +2,9 @@
 after ``--cuda-graph-warmup-steps`` eager steps, then replayed.
 
 Why: a replay is one launch where the eager layer makes a hundred or more. A TP=2 GPT-1.3B step at
-micro-batch 4 is set by the host's launches, not by the GPU (BENCHMARKS.md, issue 26's third lease).
+micro-batch 4 is set by the host's launches, not by the GPU (BENCHMARKS.md, issue 26's third lease). So
+graphs are the default of TP runs on GPUs that a graph can hold (``arguments._cuda_graph_rules``);
+``--cuda-graph-impl none`` keeps the layers eager.
 
 How: ``torch.cuda.make_graphed_callables`` over a chunk's layers, each with its input's shape (a
 micro-batch), a causal mask (None) and the rotary embedding fixed. One capture's layers share one memory
@@ -30,6 +32,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from parallel3d.models.config import cuda_graph_blockers
 from parallel3d.pipeline.forward_backward import PipelineConfig
 
 
@@ -167,7 +170,10 @@ def describe(config) -> Optional[str]:
     if graphs:
         return (f"{tp_part}layers launched as CUDA graphs: captured after {config.cuda_graph_warmup_steps} eager "
                 "steps, then replayed (--enable-cuda-graph)")
-    return f"{tp_part}layers launched eagerly (--enable-cuda-graph replays them: faster where the host is the bound)"
+    blockers = cuda_graph_blockers(config.hidden_dropout, config.attention_dropout, config.recompute_granularity,
+                                   getattr(config, "fp8", None), getattr(config, "compile_layers", False))
+    why = "; ".join(blockers) if blockers else "--cuda-graph-impl none, a zero-bubble schedule, or CPU ranks"
+    return f"{tp_part}layers launched eagerly (CUDA graphs, the default for TP on GPUs, are off: {why})"
 
 
 def _blocks(model: list):

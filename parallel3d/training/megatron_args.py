@@ -117,9 +117,10 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-exp-name", default=None, help="the wandb run's name")
     g.add_argument("--wandb-save-dir", default=None, help="wandb's local directory (default: wandb's own)")
     g = p.add_argument_group("Megatron-LM: CUDA graphs (--enable-cuda-graph, in the model flags, is the short form)")
-    g.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default="none",
+    g.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default=None,
                    help="local / transformer_engine: each transformer layer captured after --cuda-graph-warmup-steps "
-                        "steps and replayed, as --enable-cuda-graph; full_iteration is refused")
+                        "steps and replayed, as --enable-cuda-graph; none: eager layers; full_iteration is refused. "
+                        "Unset: graphs in TP > 1 runs on GPUs that a graph can hold (Megatron's default is none)")
     g.add_argument("--external-cuda-graph", action="store_true",
                    help="= --cuda-graph-impl transformer_engine (Megatron's deprecated form)")
     g.add_argument("--cuda-graph-modules", nargs="*", default=None, help="what each layer's graph holds: the "
@@ -158,7 +159,7 @@ def resolve_cuda_graph_flags(args: argparse.Namespace) -> None:
     if args.enable_cuda_graph and args.external_cuda_graph:
         raise MegatronFlagError("--enable-cuda-graph and --external-cuda-graph cannot be given together (Megatron "
                                 "refuses it too): give one")
-    if (args.enable_cuda_graph or args.external_cuda_graph) and impl != "none":
+    if (args.enable_cuda_graph or args.external_cuda_graph) and impl is not None:
         raise MegatronFlagError(f"--cuda-graph-impl {impl} with --enable-cuda-graph or --external-cuda-graph: give "
                                 "one of them (Megatron refuses both together)")
     if impl == "full_iteration":
@@ -174,7 +175,8 @@ def resolve_cuda_graph_flags(args: argparse.Namespace) -> None:
     if args.inference_cuda_graph_scope not in (None, "none"):
         _refuse(f"--inference-cuda-graph-scope {args.inference_cuda_graph_scope}", "generation runs eagerly; omit "
                 "the flag")
-    args.enable_cuda_graph = args.enable_cuda_graph or args.external_cuda_graph or impl != "none"
+    # unset (None) leaves the choice to validate_args' default: graphs where TP > 1 on GPUs can hold them
+    args.enable_cuda_graph = args.enable_cuda_graph or args.external_cuda_graph or impl not in (None, "none")
 
 
 def _apply_aliases(args: argparse.Namespace) -> None:
