@@ -94,7 +94,7 @@ def exit_with_launcher(use_prctl: bool = sys.platform.startswith("linux")) -> bo
     return True
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (Linux /proc; none found elsewhere)."""
     found = []
     try:
@@ -131,7 +131,7 @@ def kill_job(launcher) -> None:
     call once ran at half speed behind such workers). The workers are found and killed first, while torchrun
     is still their parent."""
     if launcher.poll() is None:
-        for child in _children(launcher.pid):
+        for child in children(launcher.pid):
             _kill_group(child)
         _kill_group(launcher.pid)
     launcher.wait()

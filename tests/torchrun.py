@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from parallel3d.lifetime import kill_job
+from parallel3d.lifetime import children, kill_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,16 +84,12 @@ def start(nproc: int, script: str, argv: list, tmp_path, extra_env: dict | None 
 def workers(agent: subprocess.Popen) -> dict:
     """{global rank: pid} of the agent's worker processes (its children with RANK in their environment)."""
     found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in children(agent.pid):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != agent.pid:
-                continue
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            found[int(env[b"RANK"])] = int(pid)
-        except (OSError, KeyError, ValueError, IndexError):
+            found[int(env[b"RANK"])] = pid
+        except (OSError, KeyError, ValueError):
             continue
     return found
 
