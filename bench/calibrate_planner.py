@@ -5,8 +5,9 @@
 One process measures the GEMM curve (bf16, CUDA events) over transformer-like shapes, the
 weight-gradient GEMM accumulated into fp32, the device copy bandwidth and SDPA flash attention;
 then, with --nproc >= 2, torchrun (under a timeout) measures NCCL all-reduce, all-gather,
-reduce-scatter bus bandwidth and point-to-point bandwidth between two GPUs.  Fields it cannot
-measure (GPUs per node, InfiniBand) are kept from --base.  About 2 minutes on an H100.
+reduce-scatter bus bandwidth and point-to-point bandwidth between two GPUs; and one GPU's training step
+gives the host's launch time per layer (``measure_host_layer_us``).  Fields it cannot measure (GPUs per
+node, InfiniBand) are kept from --base.  About 2 minutes on an H100.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
 
-from launch import bounded  # noqa: E402
+from launch import OURS, bounded  # noqa: E402
 from parallel3d.planning.hardware import get_cluster  # noqa: E402
 
 GEMM_SHAPES = [  # (m, n, k): tokens x out x in of GPT layers at mbs 1-4, seq 2048, plus squares
@@ -53,7 +54,7 @@ def cluster_json(base: str, m: dict) -> dict:
     d["gemm"] = {"peak_tflops": d["gemm"]["peak_tflops"], "points": m["gemm_points"],
                  "wgrad_factor": m.get("wgrad_factor", d["gemm"]["wgrad_factor"])}
     for key in ("copy_gbs", "attention_fwd_efficiency", "attention_bwd_efficiency", "intra_busbw_gbs",
-                "intra_p2p_gbs", "memory_gib", "optimizer_gbs", "intra_latency_us"):
+                "intra_p2p_gbs", "memory_gib", "optimizer_gbs", "intra_latency_us", "host_layer_us"):
         if key in m:
             d[key] = m[key]
     d["notes"] = f"calibrated on {m.get('gpu', '?')} by bench/calibrate_planner.py; " + json.dumps(m.get("raw", {}))
@@ -181,6 +182,33 @@ def measure_collectives(path: str) -> None:
     dist.destroy_process_group()
 
 
+# The host's share is a count of launches, not of FLOPs: a short sequence and micro-batch 1 keep the GPU ahead
+# of the host, so the host's time to return from forward and backward is its launch time alone
+HOST_MODEL = ("--preset", "gpt-1.3b", "--seq-length", "512", "--micro-batch-size", "1", "--global-batch-size", "4")
+HOST_LAYERS = (2, 6)
+
+
+def measure_host_layer_us(timeout: int, model: tuple[str, ...] = HOST_MODEL) -> float:
+    """ClusterSpec.host_layer_us on this machine: the host's time to launch one layer's forward and backward for
+    one micro-batch. ``gpt_bench.py --host-time`` on one GPU with HOST_LAYERS layers; the difference per layer and
+    micro-batch, so the embedding's, the loss's and the optimizer's launches cancel."""
+    host = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layers in HOST_LAYERS:
+            out = os.path.join(tmp, f"host_{layers}.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", OURS,
+                   *model, "--num-layers", str(layers), "--host-time", "--iters", "2", "--warmup", "2",
+                   "--json-out", out]
+            code = bounded(cmd, timeout)
+            if code != 0:
+                raise subprocess.SubprocessError("timed out" if code is None else f"exit code {code}")
+            with open(out) as f:
+                result = json.loads(f.read().splitlines()[-1])
+            host.append(result["host_fwd_bwd_ms"])
+            microbatches = result["num_microbatches"]
+    return (host[1] - host[0]) * 1e3 / ((HOST_LAYERS[1] - HOST_LAYERS[0]) * microbatches)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="h100-sxm", help="preset whose unmeasured fields are kept")
@@ -213,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
                     measured["intra_p2p_gbs"] = coll["p2p"]
             except (subprocess.SubprocessError, OSError, ValueError) as e:
                 print(f"collectives not measured ({e}); keeping {args.base}'s link figures", file=sys.stderr)
+    try:
+        host_us = measure_host_layer_us(args.timeout)
+        if host_us <= 0:
+            raise ValueError(f"{host_us:.0f} us: more layers took no more host time")
+        measured["host_layer_us"] = host_us
+    except (subprocess.SubprocessError, OSError, ValueError, KeyError) as e:
+        print(f"host time not measured ({e}); keeping {args.base}'s host_layer_us", file=sys.stderr)
     data = cluster_json(args.base, measured)
     with open(args.out, "w") as f:
         json.dump(data, f, indent=2)

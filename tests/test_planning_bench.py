@@ -48,3 +48,15 @@ def test_validation_predicts_every_layout_and_prints_the_table():
     assert "| pp2-v2 | 32 |" in text and "-4.8%" in text and "+5.3%" in text and "no result" in text
     # PP=2 predicts the LAST stage's memory (the rank whose RESULT_JSON gpt_bench prints).
     assert validate_planner.predict("pp2", 32, cluster)[1] != validate_planner.predict("1gpu", 32, cluster)[1]
+
+
+def test_the_host_time_per_layer_comes_from_two_training_runs_that_differ_in_layers():
+    """calibrate_planner's host_layer_us: one-process gpt_bench runs of 2 and 6 layers, their host time's difference
+    per layer and micro-batch. On CPU the host also computes, so this checks the measurement's plumbing; the
+    figure itself is an H100 host's (BENCHMARKS.md)."""
+    tiny = ("--preset", "tiny", "--fp32", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
+            "--vocab-size", "512", "--micro-batch-size", "1", "--global-batch-size", "2")
+    per_layer = calibrate_planner.measure_host_layer_us(180, tiny)
+    assert 0 < per_layer < 1e6  # microseconds: one tiny layer's forward and backward, more than nothing
+    measured = {"gemm_points": [[1024, 1024, 1024, 500.0]], "raw": {}, "host_layer_us": per_layer}
+    assert calibrate_planner.cluster_json("h100-sxm", measured)["host_layer_us"] == per_layer
