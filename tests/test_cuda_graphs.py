@@ -297,7 +297,7 @@ def test_the_capture_bookkeeping_trains_like_eager(monkeypatch, family):
     none of their Python in backward (_replayed): the fused weight gradients' flags, found at the capture and
     set again by the output hooks, keep the DDP hooks from adding the placeholders. The same losses, gradient
     norms and weights as eager, and all four linears of every layer tracked."""
-    from gpt_harness import full_weights, layout_args, train
+    from gpt_harness import GBS, ITERS, MBS, full_weights, layout_args, train
     from parallel3d.training import cuda_graphs, training
 
     made = []
@@ -330,6 +330,9 @@ def test_the_capture_bookkeeping_trains_like_eager(monkeypatch, family):
     assert len(layers) == len(graphed["model"][0].module.decoder.layers)
     (graphs,) = captured  # every layer's four linears write their weight gradient into main_grad
     assert [len(weights) for weights in graphs.fused] == [4] * len(layers)
+    # training reports its replays: every micro-batch of the steps after the capture (the GPU suite asserts > 0)
+    assert graphed["cuda_graph_replays"] == graphs.replayed == (ITERS - 1) * (GBS // MBS)
+    assert eager["cuda_graph_replays"] == 0
 
 
 # ------------------------------------------------------------------ pipeline parallelism, on gloo ranks

@@ -118,6 +118,7 @@ class LayerGraphs(InFlight):
         finally:
             torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(True)
         self.free = list(range(slots))
+        self.replayed = 0  # training forwards that replayed a slot (the rest ran eagerly)
         # The capture ran each layer's Python: the weights whose fused wgrad wrote into main_grad are those it
         # marked. Their flags go back to False: the DDP hooks saw none of the capture's gradients.
         self.fused = []
@@ -136,6 +137,7 @@ class LayerGraphs(InFlight):
     def _take(self, hidden_states, attention_mask, rotary_pos_emb, inference_params) -> Optional[int]:
         if not self.free or not self.replays(hidden_states, attention_mask, rotary_pos_emb, inference_params):
             return None
+        self.replayed += 1
         return self.free.pop()
 
     def _free(self, slot: Optional[int]) -> None:
@@ -212,13 +214,15 @@ def capture_cuda_graphs(model: list, micro_batch_size: int) -> int:
 def release_cuda_graphs(model: list, wait: bool = True) -> int:
     """Drop every chunk's captured graphs (the layers run eagerly again) and free them, so the process groups
     can be destroyed. ``wait``: first let the GPU finish their last replay (not after a failure, where the
-    GPU may never finish). Returns the number of blocks released."""
+    GPU may never finish). Returns how many of the blocks' training forwards replayed their graphs (a run's
+    proof that its graphs ran, not only that they were captured)."""
     blocks = [block for _, block in _blocks(model) if block.cuda_graphs is not None]
     held = sum(isinstance(block.cuda_graphs, LayerGraphs) for block in blocks)
+    replayed = sum(block.cuda_graphs.replayed for block in blocks if isinstance(block.cuda_graphs, LayerGraphs))
     if held and wait and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     for block in blocks:  # the counters of a run that never reached its capture go too
         block.__dict__["cuda_graphs"] = None
     if held:
         gc.collect()  # the graphed autograd functions sit in reference cycles: free the graphs now, not later
-    return held
+    return replayed

@@ -154,9 +154,10 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
     except BaseException:  # a failed step: the GPU may never finish, so do not wait for it
         release_cuda_graphs(model, wait=False)
         raise
-    release_cuda_graphs(model)  # before anyone destroys the process groups: see cuda_graphs.py
+    replayed = release_cuda_graphs(model)  # before anyone destroys the process groups: see cuda_graphs.py
     if ckpt.save and last_saved != iteration:
         save(iteration)
     logger.close()
     return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "iteration": iteration,
-            "losses": history, "grad_norms": grad_norms, "exit_signal": stopped_by_signal}
+            "losses": history, "grad_norms": grad_norms, "exit_signal": stopped_by_signal,
+            "cuda_graph_replays": replayed}

@@ -75,7 +75,8 @@ def reference(case, out):
 def layout(case, out):
     result = train(_args(case, dist.get_world_size()))
     return {"losses": _losses(result), "grad_norms": result["grad_norms"],
-            "weights": _weights_against(result, out, case["family"], case["dtype"])}
+            "weights": _weights_against(result, out, case["family"], case["dtype"]),
+            "cuda_graph_replays": result["cuda_graph_replays"]}
 
 
 def resume(case, out):

@@ -44,7 +44,10 @@ LAYOUTS = {
         "dp2-overlap-graph": (1, 1, None, False, ["--overlap-grad-reduce", "--enable-cuda-graph",
                                                   "--cuda-graph-warmup-steps", "1"]),
         # 1F1B with graphs: the first stage replays two slots, one per micro-batch in flight
-        "pp2-graph": (1, 2, None, False, ["--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"])},
+        "pp2-graph": (1, 2, None, False, ["--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"]),
+        # TP without SP (all-reduces inside the graphs); and no graph flag at all: TP on GPUs replays by default
+        "tp2-graph": (2, 1, None, False, ["--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"]),
+        "tp2-sp-graph-default": (2, 1, None, True, ["--cuda-graph-warmup-steps", "1"])},
     4: {"tp2-pp2-v2-sp": (2, 2, 2, True, []),
         "tp2-dp2": (2, 1, None, False, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
         "pp2-dp2": (1, 2, None, False, ["--use-distributed-optimizer"]),
@@ -97,6 +100,8 @@ def check_case(out, case):
     rel = BF16_STEP if dtype == "bf16" else 1e-5
     for rank, rec in enumerate(_rank_records(out, name)):
         where = f"{name} rank {rank}"
+        if GRAPHS_NEED_CUDA in name:  # the graphs ran, not only the eager layers beside them
+            assert rec["cuda_graph_replays"] > 0, f"{where}: no training forward replayed its CUDA graphs"
         for what in ("losses", "grad_norms"):
             for it, (got, want) in enumerate(zip(rec[what], ref[what], strict=True)):
                 bound = rel * max(1.0, abs(want)) if dtype == "fp32" else rel * abs(want)
