@@ -188,25 +188,27 @@ HOST_MODEL = ("--preset", "gpt-1.3b", "--seq-length", "512", "--micro-batch-size
 HOST_LAYERS = (2, 6)
 
 
-def measure_host_layer_us(timeout: int, model: tuple[str, ...] = HOST_MODEL) -> float:
-    """ClusterSpec.host_layer_us on this machine: the host's time to launch one layer's forward and backward for
-    one micro-batch. ``gpt_bench.py --host-time`` on one GPU with HOST_LAYERS layers; the difference per layer and
-    micro-batch, so the embedding's, the loss's and the optimizer's launches cancel."""
-    host = []
+def host_fwd_bwd_ms(layers: int, timeout: int, model: tuple[str, ...] = HOST_MODEL) -> tuple[float, int]:
+    """(the host's milliseconds to return from one step's forward and backward, micro-batches per step) of a
+    one-GPU ``gpt_bench.py --host-time`` run of ``model`` with ``layers`` layers."""
     with tempfile.TemporaryDirectory() as tmp:
-        for layers in HOST_LAYERS:
-            out = os.path.join(tmp, f"host_{layers}.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", OURS,
-                   *model, "--num-layers", str(layers), "--host-time", "--iters", "2", "--warmup", "2",
-                   "--json-out", out]
-            code = bounded(cmd, timeout)
-            if code != 0:
-                raise subprocess.SubprocessError("timed out" if code is None else f"exit code {code}")
-            with open(out) as f:
-                result = json.loads(f.read().splitlines()[-1])
-            host.append(result["host_fwd_bwd_ms"])
-            microbatches = result["num_microbatches"]
-    return (host[1] - host[0]) * 1e3 / ((HOST_LAYERS[1] - HOST_LAYERS[0]) * microbatches)
+        out = os.path.join(tmp, "host.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", OURS, *model,
+               "--num-layers", str(layers), "--host-time", "--iters", "2", "--warmup", "2", "--json-out", out]
+        code = bounded(cmd, timeout)
+        if code != 0:
+            raise subprocess.SubprocessError("timed out" if code is None else f"exit code {code}")
+        with open(out) as f:
+            result = json.loads(f.read().splitlines()[-1])
+    return result["host_fwd_bwd_ms"], result["num_microbatches"]
+
+
+def measure_host_layer_us(timeout: int, run=host_fwd_bwd_ms) -> float:
+    """ClusterSpec.host_layer_us on this machine: the host's time to launch one layer's forward and backward for
+    one micro-batch. Runs of HOST_LAYERS layers; the difference per layer and micro-batch, so the embedding's,
+    the loss's and the optimizer's launches cancel."""
+    (few, microbatches), (many, _) = (run(layers, timeout) for layers in HOST_LAYERS)
+    return (many - few) * 1e3 / ((HOST_LAYERS[1] - HOST_LAYERS[0]) * microbatches)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,12 +53,12 @@ def test_evaluate_json_has_one_layout(capsys):
 
 def test_evaluate_prices_training_default_of_cuda_graphs_for_tensor_parallelism(capsys):
     """A TP layout is evaluated as training runs it: its layers replayed as CUDA graphs where a graph holds the run
-    (arguments.py), eager with --cuda-graph-impl none or dropout."""
+    (arguments.py), eager with --cuda-graph-impl none or Megatron's default dropout (0.1, as pretrain_gpt.py's)."""
     argv = GPT + ["--global-batch-size", "32", "--micro-batch-size", "4", "--tensor-model-parallel-size", "2",
                   "--sequence-parallel", "--num-gpus", "4", "--cluster", "h100-sxm", "--json"]
     found = {}
-    for name, extra in (("default", []), ("none", ["--cuda-graph-impl", "none"]),
-                        ("dropout", ["--hidden-dropout", "0.1"]), ("local", ["--cuda-graph-impl", "local"])):
+    for name, extra in (("default", ["--hidden-dropout", "0"]), ("none", ["--hidden-dropout", "0", "--cuda-graph-impl",
+                        "none"]), ("dropout", []), ("local", ["--hidden-dropout", "0", "--cuda-graph-impl", "local"])):
         assert plan.main(argv + extra) == 0
         (found[name],) = json.loads(capsys.readouterr().out)["layouts"]
     assert found["default"]["enable_cuda_graph"] and found["local"]["enable_cuda_graph"]

@@ -50,13 +50,19 @@ def test_validation_predicts_every_layout_and_prints_the_table():
     assert validate_planner.predict("pp2", 32, cluster)[1] != validate_planner.predict("1gpu", 32, cluster)[1]
 
 
-def test_the_host_time_per_layer_comes_from_two_training_runs_that_differ_in_layers():
-    """calibrate_planner's host_layer_us: one-process gpt_bench runs of 2 and 6 layers, their host time's difference
-    per layer and micro-batch. On CPU the host also computes, so this checks the measurement's plumbing; the
-    figure itself is an H100 host's (BENCHMARKS.md)."""
-    tiny = ("--preset", "tiny", "--fp32", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
+def test_the_host_time_per_layer_is_the_difference_of_two_runs_per_layer_and_micro_batch():
+    """calibrate_planner's host_layer_us: runs of 2 and 6 layers; their host times' difference per layer and
+    micro-batch (the embedding's, loss's and optimizer's launches cancel)."""
+    runs = {2: (10.0, 4), 6: (30.0, 4)}  # host ms of forward + backward, micro-batches per step
+    assert calibrate_planner.measure_host_layer_us(60, run=lambda layers, timeout: runs[layers]) == 1250.0
+    measured = {"gemm_points": [[1024, 1024, 1024, 500.0]], "raw": {}, "host_layer_us": 1250.0}
+    assert calibrate_planner.cluster_json("h100-sxm", measured)["host_layer_us"] == 1250.0
+
+
+def test_one_host_time_run_reports_the_hosts_milliseconds():
+    """The measurement's run: a one-process gpt_bench --host-time of the given model (here a tiny one on the CPU,
+    where the host also computes: the plumbing, not an H100 host's figure)."""
+    tiny = ("--preset", "tiny", "--fp32", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--vocab-size", "512", "--micro-batch-size", "1", "--global-batch-size", "2")
-    per_layer = calibrate_planner.measure_host_layer_us(180, tiny)
-    assert 0 < per_layer < 1e6  # microseconds: one tiny layer's forward and backward, more than nothing
-    measured = {"gemm_points": [[1024, 1024, 1024, 500.0]], "raw": {}, "host_layer_us": per_layer}
-    assert calibrate_planner.cluster_json("h100-sxm", measured)["host_layer_us"] == per_layer
+    host_ms, microbatches = calibrate_planner.host_fwd_bwd_ms(2, 180, tiny)
+    assert host_ms > 0 and microbatches == 2

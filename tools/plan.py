@@ -74,7 +74,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.1,
+                   help="Megatron's default, as pretrain_gpt.py's (0 for LLaMA-style runs)")
     g.add_argument("--max-position-embeddings", type=int, default=None, help="learned position table (default: "
                    "--seq-length)")
     g.add_argument("--attention-backend", choices=sorted(ATTENTION_BACKENDS), default="auto",
