@@ -72,12 +72,13 @@ def num_floating_point_operations(*, batch_size: int, seq_length: int, num_layer
             + 6 * batch_size * s * s * L * q)
 
 
-def cuda_graph_blockers(hidden_dropout: float, attention_dropout: float, recompute_granularity: Optional[str],
-                        fp8: Optional[str], compile_layers: bool) -> list[str]:
+def cuda_graph_blockers(hidden_dropout: float, attention_dropout: float = 0.0,
+                        recompute_granularity: Optional[str] = None, fp8: Optional[str] = None,
+                        compile_layers: bool = False) -> list[str]:
     """What a captured layer cannot hold, each named with its fix: random numbers drawn in Python (dropout's
     RNG tracker), a second forward inside backward (recompute), FP8's Python-side scaling state and Inductor's
-    own graphs. The one rule for the refusal (TransformerConfig) and for the default (the training arguments
-    turn the graphs on where none applies)."""
+    own graphs. The one rule for the refusal (TransformerConfig), the default (the training arguments turn the
+    graphs on where none applies) and the planner (on the fields a plan knows)."""
     blockers = {
         "hidden_dropout / attention_dropout > 0 (set both to 0)": hidden_dropout > 0 or attention_dropout > 0,
         "recompute_granularity (drop recomputation)": recompute_granularity is not None,
@@ -265,11 +266,15 @@ class TransformerConfig:
             return
         if not isinstance(self.cuda_graph_warmup_steps, int) or self.cuda_graph_warmup_steps < 1:
             raise ValueError(f"cuda_graph_warmup_steps must be a positive integer, got {self.cuda_graph_warmup_steps!r}")
-        named = cuda_graph_blockers(self.hidden_dropout, self.attention_dropout, self.recompute_granularity,
-                                    self.fp8, self.compile_layers)
+        named = self.cuda_graph_blocked_by()
         if named:
             raise ValueError(f"enable_cuda_graph is not supported with {'; '.join(named)}: a captured layer replays "
                              "a micro-batch's fixed kernels")
+
+    def cuda_graph_blocked_by(self) -> list[str]:
+        """What of this config a captured layer cannot hold (cuda_graph_blockers)."""
+        return cuda_graph_blockers(self.hidden_dropout, self.attention_dropout, self.recompute_granularity,
+                                   self.fp8, self.compile_layers)
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from parallel3d.models.config import (ATTENTION_BACKENDS, TransformerConfig, default_ffn_hidden_size,
-                                      num_floating_point_operations)
+from parallel3d.models.config import (ATTENTION_BACKENDS, TransformerConfig, cuda_graph_blockers,
+                                      default_ffn_hidden_size, num_floating_point_operations)
 from parallel3d.pipeline.forward_backward import default_schedule_name
 from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, ZERO_BUBBLE, check_schedule_args, placement_of
 from parallel3d.tensor_parallel import vocab_size_with_padding
@@ -238,8 +238,9 @@ class Layout:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         zero_bubble = self.pp > 1 and self.pipeline_schedule in ZERO_BUBBLE  # 'auto' among them
-        if self.enable_cuda_graph and (zero_bubble or self.recompute_granularity or model.hidden_dropout > 0):
-            # training's rules (TransformerConfig._check_cuda_graph, the arguments'), on the fields a plan knows
+        if self.enable_cuda_graph and (zero_bubble or cuda_graph_blockers(
+                model.hidden_dropout, recompute_granularity=self.recompute_granularity)):
+            # training's rules (cuda_graph_blockers, the arguments' zero-bubble one), on the fields a plan knows
             raise ValueError("--enable-cuda-graph needs a 1F1B or interleaved schedule (no zero-bubble W split), "
                              "no recomputation and --hidden-dropout 0")
         if self.num_layers_per_virtual_pipeline_stage:

@@ -32,7 +32,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from parallel3d.models.config import cuda_graph_blockers
 from parallel3d.pipeline.forward_backward import PipelineConfig
 
 
@@ -172,8 +171,7 @@ def describe(config) -> Optional[str]:
     if graphs:
         return (f"{tp_part}layers launched as CUDA graphs: captured after {config.cuda_graph_warmup_steps} eager "
                 "steps, then replayed (--enable-cuda-graph)")
-    blockers = cuda_graph_blockers(config.hidden_dropout, config.attention_dropout, config.recompute_granularity,
-                                   getattr(config, "fp8", None), getattr(config, "compile_layers", False))
+    blockers = config.cuda_graph_blocked_by()
     why = "; ".join(blockers) if blockers else "--cuda-graph-impl none, a zero-bubble schedule, or CPU ranks"
     return f"{tp_part}layers launched eagerly (CUDA graphs, the default for TP on GPUs, are off: {why})"
 
