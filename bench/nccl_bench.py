@@ -7,6 +7,13 @@ GEMM runs on another stream of the same GPU ("beside a GEMM"): what a collective
 gets. Bus bandwidth as nccl-tests defines it, from the per-rank size S (the all-gather's output, the
 reduce-scatter's input, the all-reduce's buffer) on n ranks: all-gather and reduce-scatter S (n-1)/n / t,
 all-reduce 2 S (n-1)/n / t. BENCHMARKS.md prints these beside every TP figure as the physical column.
+
+``--symmetric`` adds the all-gather and reduce-scatter with their buffers in NCCL symmetric windows (torch's
+``symm_mem``, NCCL backend), alone, beside a GEMM, and replayed from a CUDA graph as training's graphs
+would. With ``NCCL_CTA_POLICY=2`` (the zero-CTA policy, NCCL >= 2.28) NCCL runs such an all-gather on the
+copy engines, which run beside a cuBLAS GEMM where no NCCL kernel can (issue 26):
+
+    NCCL_CTA_POLICY=2 torchrun --standalone --nproc-per-node 2 bench/nccl_bench.py --symmetric --sizes-mib 16
 """
 from __future__ import annotations
 
@@ -54,12 +61,70 @@ def sm_carveout(count) -> None:
     torch._C._set_sm_carveout_experimental(count)
 
 
+def symmetric_buffers(*numels: int) -> list[torch.Tensor]:
+    """bf16 tensors in NCCL symmetric windows: allocated from torch's symmetric-memory pool (NCCL backend)
+    and registered with every rank's communicator (rendezvous), as torch's FSDP does for its all-gathers."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "get_mem_pool"):
+        with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(torch.device("cuda", torch.cuda.current_device()))):
+            out = [torch.randn(numel, device="cuda", dtype=torch.bfloat16) for numel in numels]
+    else:  # older torch: one allocation each
+        out = [symm_mem.empty(numel, device="cuda", dtype=torch.bfloat16).normal_() for numel in numels]
+    for t in out:
+        symm_mem.rendezvous(t, group=dist.group.WORLD.group_name)
+    return out
+
+
+def graphed(fn):
+    """``fn`` captured once in a CUDA graph (after one eager run, which sets NCCL up); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def emit_result(rows, json_out) -> None:
     """The results as the RESULT_JSON line the bench drivers read, and to ``json_out`` where given."""
     print("RESULT_JSON: " + json.dumps(rows))
     if json_out:
         with open(json_out, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def symmetric_rows(mib: float, numel: int, n: int, gemm, iters: int, warmup: int) -> list[dict]:
+    """The all-gather and reduce-scatter of ``numel`` bf16 elements on symmetric-window buffers: alone, beside
+    a GEMM, and (the all-gather) replayed from a CUDA graph; each all-gather checked against the plain one."""
+    full, shard = symmetric_buffers(numel, numel // n)
+    reference = torch.empty_like(full)
+    plain_shard = torch.empty_like(shard, memory_format=torch.contiguous_format).normal_()
+    ops = {
+        "all_gather": lambda: all_gather_into_tensor(full, shard),
+        # the output alone in a window (the input an ordinary tensor), as a layer's gathered input would be
+        "all_gather out": lambda: all_gather_into_tensor(full, plain_shard),
+        "reduce_scatter": lambda: reduce_scatter_tensor(shard, full),
+    }
+    ops["all_gather graph"] = graphed(ops["all_gather"])
+    rows = []
+    for name, fn in ops.items():
+        for where, beside in (("symmetric, alone", None), ("symmetric, beside GEMM", gemm)):
+            ms = time_ms(fn, iters, warmup, beside)
+            row = {"op": name, "size_mib": mib, "where": where, "ms": ms,
+                   "busbw_gbs": numel * 2 * (n - 1) / n / (ms * 1e-3) / 1e9, "ranks": n}
+            if name.startswith("all_gather"):
+                shard.normal_()  # the reduce-scatters rewrote it
+                all_gather_into_tensor(reference, (plain_shard if name == "all_gather out" else shard).clone())
+                full.zero_()
+                fn()
+                row["equal"] = bool(torch.equal(full, reference))
+            rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -71,10 +136,18 @@ def main() -> None:
     p.add_argument("--carveouts", type=int, nargs="*", default=[],
                    help="also time each collective beside a GEMM that leaves this many SMs free "
                         "(sm_carveout: through cuBLASLt), and the GEMM alone with it")
+    p.add_argument("--symmetric", action="store_true",
+                   help="also the all-gather and reduce-scatter on buffers in NCCL symmetric windows, and the "
+                        "all-gather replayed from a CUDA graph (the copy-engine path with NCCL_CTA_POLICY=2)")
     a = p.parse_args()
-    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     rank, n = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if a.symmetric:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.set_backend("NCCL")
+        dist.barrier()  # the communicator must exist before the first rendezvous (as in torch's FSDP)
     gemm_a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     if a.carveouts:  # every GEMM on the path the carveouts need, the baseline included
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -114,11 +187,15 @@ def main() -> None:
                 ms = time_ms(fn, a.iters, a.warmup, beside)
                 busbw = factor * numel * 2 * (n - 1) / n / (ms * 1e-3) / 1e9
                 rows.append({"op": name, "size_mib": mib, "where": where, "ms": ms, "busbw_gbs": busbw, "ranks": n})
+        if a.symmetric:
+            rows += symmetric_rows(mib, numel, n, gemm, a.iters, a.warmup)
     if rank == 0:
         print(f"{'op':15s} {'MiB':>6s} {'where':22s} {'ms':>8s} {'busbw GB/s':>10s}   ({n} ranks, "
-              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))})")
+              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
+              f"NCCL_CTA_POLICY={os.environ.get('NCCL_CTA_POLICY', 'unset')})")
         for r in rows:
-            print(f"{r['op']:15s} {r['size_mib']:6.1f} {r['where']:22s} {r['ms']:8.3f} {r['busbw_gbs']:10.1f}")
+            print(f"{r['op']:15s} {r['size_mib']:6.1f} {r['where']:22s} {r['ms']:8.3f} {r['busbw_gbs']:10.1f}"
+                  + ("" if r.get("equal", True) else "   DIFFERS from the plain all-gather"))
         emit_result(rows, a.json_out)
     dist.destroy_process_group()
 

@@ -3,6 +3,8 @@
 #   bash bench/run_gpu_benches.sh fused-tests single ddp pipeline kernels   (single: one GPU)
 #   bash bench/run_gpu_benches.sh planner          (calibrate this machine, then validate on 1-2 GPUs)
 #   bash bench/run_gpu_benches.sh nccl             (the link: all-gather / reduce-scatter / all-reduce bus bandwidth)
+#   bash bench/run_gpu_benches.sh nccl-ce          (the same at 16 MiB, and on NCCL symmetric windows with the
+#                                                   zero-CTA policy: the copy-engine all-gather, also from a graph)
 #   LAYOUTS="1gpu pp4-1f1b pp4-zb-h2" bash bench/run_gpu_benches.sh layouts   (bench/layouts_bench.py)
 #   bash bench/run_gpu_benches.sh fp8              (bf16 and FP8 recipes against plain + compile and torchtitan
 #                                                   float8, one GPU per preset; FP8_PRESETS, FP8_GPUS presets at
@@ -42,6 +44,8 @@ for what in "$@"; do
     kernels) python3 bench/kernels_bench.py ;;
     nccl) timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node ${NCCL_GPUS:-2} \
             bench/nccl_bench.py --json-out "$OUT/nccl_bench.json" ;;
+    nccl-ce) NCCL_CTA_POLICY=2 timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node ${NCCL_GPUS:-2} \
+            bench/nccl_bench.py --symmetric --sizes-mib 16 --json-out "$OUT/nccl_ce_bench.json" ;;
     planner) python3 bench/calibrate_planner.py --base h100-sxm --out "$OUT/planner_cluster.json" --nproc 2 \
                --timeout 150 && BENCH_TIMEOUT=110 python3 bench/validate_planner.py --batches 32 \
                --cluster-file "$OUT/planner_cluster.json" --log-dir "$OUT/logs" --out "$OUT/validate_planner.md" ;;
@@ -55,7 +59,7 @@ for what in "$@"; do
               --timeout 110 --out "$OUT" ;;
     fp8-tests) timeout 480 python3 -m pytest -q -rs tests/gpu/test_fp8_speedups.py tests/gpu/test_fp8_parity.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -n 40 ;;
     *) echo "unknown benchmark $what (fused-tests, single, ddp, pipeline, kernels, nccl, planner, layouts, fp8," \
-            "fp8-convergence, fp8-tests, graphs)"; exit 2 ;;
+            "fp8-convergence, fp8-tests, graphs, nccl-ce)"; exit 2 ;;
   esac
 done
 # At most a few files come back from the device machine: pack the logs into one.
