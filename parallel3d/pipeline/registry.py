@@ -32,6 +32,12 @@ ZERO_BUBBLE = tuple(name for name, r in SCHEDULES.items() if r.splits_backward)
 V_SHAPED = tuple(name for name, r in SCHEDULES.items() if r.placement == "v")
 
 
+def splits_backward(name: Optional[str], num_stages: int) -> bool:
+    """Whether a run of ``num_stages`` pipeline stages with --pipeline-schedule ``name`` splits each backward into
+    B and a later W (a zero-bubble schedule, 'auto' among them; one stage runs no schedule)."""
+    return num_stages > 1 and name in ZERO_BUBBLE
+
+
 def schedule_record(name: str) -> ScheduleRecord:
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(SCHEDULE_NAMES)}")

@@ -13,7 +13,8 @@ from typing import Optional
 from parallel3d.models.config import (ATTENTION_BACKENDS, TransformerConfig, cuda_graph_blockers,
                                       default_ffn_hidden_size, num_floating_point_operations)
 from parallel3d.pipeline.forward_backward import default_schedule_name
-from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, ZERO_BUBBLE, check_schedule_args, placement_of
+from parallel3d.pipeline.registry import (SCHEDULE_NAMES, V_SHAPED, check_schedule_args, placement_of,
+                                          splits_backward)
 from parallel3d.tensor_parallel import vocab_size_with_padding
 
 RECOMPUTE_CHOICES = (None, "selective", "full")
@@ -237,7 +238,7 @@ class Layout:
                              f"--pipeline-model-parallel-size {self.pp}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-        zero_bubble = self.pp > 1 and self.pipeline_schedule in ZERO_BUBBLE  # 'auto' among them
+        zero_bubble = splits_backward(self.pipeline_schedule, self.pp)
         if self.enable_cuda_graph and (zero_bubble or cuda_graph_blockers(
                 model.hidden_dropout, recompute_granularity=self.recompute_granularity)):
             # training's rules (cuda_graph_blockers, the arguments' zero-bubble one), on the fields a plan knows

@@ -40,7 +40,7 @@ from parallel3d.device import default_backend
 from parallel3d.models.config import cuda_graph_blockers
 from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size, model_parallel_sizes
 from parallel3d.pipeline.forward_backward import default_schedule_name
-from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, ZERO_BUBBLE, check_schedule_args
+from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, check_schedule_args, splits_backward
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -276,7 +276,7 @@ def _cuda_graph_rules(args: argparse.Namespace) -> None:
     (--cuda-graph-impl unset), on in every TP > 1 run on GPUs that a graph can hold. There the eager step is
     bound by the host's launches and the graphs measured faster on every TP layout (BENCHMARKS.md, issue 26);
     one GPU gained nothing. --cuda-graph-impl none keeps the layers eager."""
-    zero_bubble = args.pipeline_model_parallel_size > 1 and args.pipeline_schedule in ZERO_BUBBLE
+    zero_bubble = splits_backward(args.pipeline_schedule, args.pipeline_model_parallel_size)
     if args.enable_cuda_graph:
         if zero_bubble:
             raise ArgumentError(f"--enable-cuda-graph with --pipeline-schedule {args.pipeline_schedule}: its W split "
