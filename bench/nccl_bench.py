@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from calibrate_planner import bus_factor  # noqa: E402
 from parallel3d.collectives import all_gather_into_tensor, reduce_scatter_tensor  # noqa: E402
 
 
@@ -98,6 +99,12 @@ def emit_result(rows, json_out) -> None:
             json.dump(rows, f, indent=1)
 
 
+def collective_row(op: str, mib: float, where: str, ms: float, numel: int, n: int) -> dict:
+    """One result: ``op`` ("all_gather ...") of ``numel`` bf16 elements (the per-rank size S) took ``ms``."""
+    busbw = numel * 2 / (ms * 1e-3) * bus_factor(op.split()[0], n) / 1e9
+    return {"op": op, "size_mib": mib, "where": where, "ms": ms, "busbw_gbs": busbw, "ranks": n}
+
+
 def symmetric_rows(mib: float, numel: int, n: int, gemm, iters: int, warmup: int) -> list[dict]:
     """The all-gather and reduce-scatter of ``numel`` bf16 elements on symmetric-window buffers: alone, beside
     a GEMM, and (the all-gather) replayed from a CUDA graph; each all-gather checked against the plain one."""
@@ -114,9 +121,7 @@ def symmetric_rows(mib: float, numel: int, n: int, gemm, iters: int, warmup: int
     rows = []
     for name, fn in ops.items():
         for where, beside in (("symmetric, alone", None), ("symmetric, beside GEMM", gemm)):
-            ms = time_ms(fn, iters, warmup, beside)
-            row = {"op": name, "size_mib": mib, "where": where, "ms": ms,
-                   "busbw_gbs": numel * 2 * (n - 1) / n / (ms * 1e-3) / 1e9, "ranks": n}
+            row = collective_row(name, mib, where, time_ms(fn, iters, warmup, beside), numel, n)
             if name.startswith("all_gather"):
                 shard.normal_()  # the reduce-scatters rewrote it
                 all_gather_into_tensor(reference, (plain_shard if name == "all_gather out" else shard).clone())
@@ -176,17 +181,15 @@ def main() -> None:
         full = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
         shard = torch.randn(numel // n, device="cuda", dtype=torch.bfloat16)
         ops = {
-            "all_gather": (lambda: all_gather_into_tensor(full, shard), 1.0),
-            "reduce_scatter": (lambda: reduce_scatter_tensor(shard, full), 1.0),
-            "all_reduce": (lambda: dist.all_reduce(full), 2.0),
+            "all_gather": lambda: all_gather_into_tensor(full, shard),
+            "reduce_scatter": lambda: reduce_scatter_tensor(shard, full),
+            "all_reduce": lambda: dist.all_reduce(full),
         }
-        for name, (fn, factor) in ops.items():
+        for name, fn in ops.items():
             besides = [("alone", None), ("beside a GEMM", gemm)]
             besides += [(f"beside, {co} SMs free", beside_with(co)) for co in a.carveouts]
             for where, beside in besides:
-                ms = time_ms(fn, a.iters, a.warmup, beside)
-                busbw = factor * numel * 2 * (n - 1) / n / (ms * 1e-3) / 1e9
-                rows.append({"op": name, "size_mib": mib, "where": where, "ms": ms, "busbw_gbs": busbw, "ranks": n})
+                rows.append(collective_row(name, mib, where, time_ms(fn, a.iters, a.warmup, beside), numel, n))
         if a.symmetric:
             rows += symmetric_rows(mib, numel, n, gemm, a.iters, a.warmup)
     if rank == 0:
