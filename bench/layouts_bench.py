@@ -36,6 +36,7 @@ TP2 = GPT + ["--global-batch-size", "16", "--tp", "2", "--sequence-parallel"]
 TP2_DP2 = GPT + ["--global-batch-size", "32", "--tp", "2", "--sequence-parallel", "--use-distributed-optimizer",
                  "--overlap-grad-reduce"]
 SEVEN_B = ["--preset", "mlm-7.1b", "--num-layers", "16", "--global-batch-size", "16", "--tp", "4", "--sequence-parallel"]
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 PROFILE = ["--profile-overlap"]  # one more step, profiled after the timed ones: where the GPU time goes
 TP2_NOSP = GPT + ["--global-batch-size", "16", "--tp", "2"]
 LLAMA = ["--preset", "llama-1b", "--global-batch-size", "16"]
@@ -80,6 +81,9 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     "tp2-pp2-v2-sp-graph": (4, TP2_PP2_V2 + ["--enable-cuda-graph"], [], False),
     "7b-tp4-graph": (4, SEVEN_B + ["--enable-cuda-graph"], [], False),
     "tp2-co16-nc8": (2, TP2_NOSP, ["--sm-carveout", "16"], False),
+    # Megatron's default dropout (0.1): eager, and replayed as graphs that register the RNG tracker's streams
+    "tp2-sp-dropout": (2, TP2 + DROPOUT, [], False),
+    "tp2-sp-graph-dropout": (2, TP2 + DROPOUT + ["--enable-cuda-graph"], [], False),
 }
 # A row without --enable-cuda-graph measures the eager layers: parallel3d's default replays a TP run's layers
 # as graphs (arguments.py, _cuda_graph_rules), which the "-graph" rows measure by name

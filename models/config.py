@@ -72,15 +72,21 @@ def num_floating_point_operations(*, batch_size: int, seq_length: int, num_layer
             + 6 * batch_size * s * s * L * q)
 
 
+# Dropout inside a CUDA graph needs generator states a graph can register (Generator.graphsafe_set_state)
+GRAPH_SAFE_RNG = hasattr(torch.Generator, "graphsafe_set_state")
+
+
 def cuda_graph_blockers(hidden_dropout: float, attention_dropout: float = 0.0,
                         recompute_granularity: Optional[str] = None, fp8: Optional[str] = None,
                         compile_layers: bool = False) -> list[str]:
-    """What a captured layer cannot hold, each named with its fix: random numbers drawn in Python (dropout's
-    RNG tracker), a second forward inside backward (recompute), FP8's Python-side scaling state and Inductor's
-    own graphs. The one rule for the refusal (TransformerConfig), the default (the training arguments turn the
-    graphs on where none applies) and the planner (on the fields a plan knows)."""
+    """What a captured layer cannot hold, each named with its fix: dropout where torch's generators have no
+    graph-safe states (the RNG tracker swaps them in; training/cuda_graphs.py registers them with each graph), a
+    second forward inside backward (recompute), FP8's Python-side scaling state and Inductor's own graphs. The
+    one rule for the refusal (TransformerConfig), the default (the training arguments turn the graphs on where
+    none applies) and the planner (on the fields a plan knows)."""
     blockers = {
-        "hidden_dropout / attention_dropout > 0 (set both to 0)": hidden_dropout > 0 or attention_dropout > 0,
+        f"hidden_dropout / attention_dropout > 0 (set both to 0: torch {torch.__version__}'s generators have no "
+        "graph-safe states)": (hidden_dropout > 0 or attention_dropout > 0) and not GRAPH_SAFE_RNG,
         "recompute_granularity (drop recomputation)": recompute_granularity is not None,
         "fp8 (train in bf16)": fp8 is not None,
         "compile_layers (--compile: choose one)": bool(compile_layers),

@@ -23,8 +23,6 @@ def _config(**overrides):
 
 
 @pytest.mark.parametrize("overrides, named", [
-    ({"hidden_dropout": 0.1}, "hidden_dropout / attention_dropout > 0"),
-    ({"attention_dropout": 0.1}, "hidden_dropout / attention_dropout > 0"),
     ({"recompute_granularity": "full"}, "recompute_granularity"),
     ({"fp8": "hybrid", "bf16": True}, "fp8"),
     ({"compile_layers": True}, "compile_layers"),
@@ -38,6 +36,19 @@ def test_what_a_graph_cannot_hold_is_refused_by_name(overrides, named):
 def test_a_config_a_graph_can_hold_is_accepted():
     cfg = _config()
     assert cfg.enable_cuda_graph and cfg.cuda_graph_warmup_steps == 3
+
+
+@pytest.mark.parametrize("overrides", [{"hidden_dropout": 0.1}, {"attention_dropout": 0.1}])
+def test_dropout_is_held_where_generators_have_graph_safe_states_and_refused_by_name_where_not(overrides, monkeypatch):
+    """Dropout inside a graph draws from generator states each graph registers (training/cuda_graphs.py); a
+    torch without them (no Generator.graphsafe_set_state) would replay one mask forever: refused there."""
+    from parallel3d.models import config as model_config
+
+    monkeypatch.setattr(model_config, "GRAPH_SAFE_RNG", True)
+    assert _config(**overrides).enable_cuda_graph
+    monkeypatch.setattr(model_config, "GRAPH_SAFE_RNG", False)
+    with pytest.raises(ValueError, match=re.escape("hidden_dropout / attention_dropout > 0 (set both to 0")):
+        _config(**overrides)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
@@ -70,7 +81,7 @@ TP2 = ["--tensor-model-parallel-size", "2"]
     (TP2 + ["--sequence-parallel", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"], 4, True),
     (TP2 + ["--cuda-graph-impl", "none"], 2, False),  # Megatron's value for eager layers
     ([], 1, False),  # one GPU: no faster with graphs
-    (TP2 + ["--hidden-dropout", "0.1"], 2, False),
+    (TP2 + ["--hidden-dropout", "0.1"], 2, True),  # Megatron's default dropout: the graphs register its streams
     (TP2 + ["--recompute-granularity", "selective"], 2, False),
     (TP2 + ["--compile"], 2, False),
     (TP2 + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--global-batch-size", "4"], 4,
@@ -241,8 +252,8 @@ def test_the_log_says_how_a_tensor_parallel_run_launches_its_layers(monkeypatch)
     assert describe(_config(tensor_model_parallel_size=2, enable_cuda_graph=False)).endswith(
         "layers launched eagerly (CUDA graphs, the default for TP on GPUs, are off: --cuda-graph-impl none, a "
         "zero-bubble schedule, or CPU ranks)")
-    assert describe(_config(tensor_model_parallel_size=2, enable_cuda_graph=False, hidden_dropout=0.1)).endswith(
-        "are off: hidden_dropout / attention_dropout > 0 (set both to 0))")
+    assert describe(_config(tensor_model_parallel_size=2, enable_cuda_graph=False,
+                            recompute_granularity="full")).endswith("are off: recompute_granularity (drop recomputation))")
     # pretrain prints it before training (one process with graphs here; the capture stands in, as above)
     from parallel3d.training import training
 

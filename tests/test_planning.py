@@ -263,9 +263,8 @@ def test_cuda_graphs_take_the_host_out_of_a_host_bound_step():
 
 
 def test_the_search_offers_cuda_graphs_where_training_can_use_them():
-    """TP layouts with and without graphs are both candidates on a dropout-free model (the host-bound TP step
-    then ranks with graphs), none with dropout, a zero-bubble schedule or recomputation, which graphs cannot
-    hold."""
+    """TP layouts with and without graphs are both candidates (the host-bound TP step then ranks with graphs),
+    with dropout too, none with a zero-bubble schedule or recomputation, which graphs cannot hold."""
     hopper = get_cluster("h100-sxm")
     base = Layout(global_batch_size=16)
     found = candidates(GPT_1_3B, hopper, 4, base)
@@ -277,4 +276,4 @@ def test_the_search_offers_cuda_graphs_where_training_can_use_them():
              if layout.tp > 1 and layout.pipeline_schedule is None and layout.recompute_granularity is None}
     assert set(graphed) == eager
     with_dropout = dataclasses.replace(GPT_1_3B, hidden_dropout=0.1)
-    assert not any(layout.enable_cuda_graph for layout in candidates(with_dropout, hopper, 2, base))
+    assert any(layout.enable_cuda_graph for layout in candidates(with_dropout, hopper, 2, base))

@@ -15,6 +15,12 @@ code and tests run on both.
 ``checkpoint`` (activation recomputation) saves the default and tracked
 generator states before the forward and restores them for the recompute, so
 recomputed dropout masks are identical to the original ones.
+
+On CUDA each tracked stream is a generator state object of its own, swapped in with
+``graphsafe_set_state`` (as Megatron-Core's graph-safe tracker): a CUDA graph that registers
+those objects (training/cuda_graphs.py) advances them on every replay as the eager run would,
+so dropout inside a captured layer draws new numbers each step. On the CPU, where generators
+have no such states, a stream is a snapshot of the generator's state, swapped in and out.
 """
 from __future__ import annotations
 
@@ -46,11 +52,32 @@ def _manual_seed(seed: int) -> None:
         torch.manual_seed(seed)
 
 
+def _live_states() -> bool:
+    """Whether tracked streams are generator state objects (CUDA) rather than snapshots (CPU)."""
+    return _use_cuda()
+
+
+def _cuda_generator() -> torch.Generator:
+    return torch.cuda.default_generators[torch.cuda.current_device()]
+
+
+@contextlib.contextmanager
+def _running(state):
+    """The device generator running on the live state ``state`` for the block (CUDA)."""
+    generator = _cuda_generator()
+    outer = generator.graphsafe_get_state()
+    generator.graphsafe_set_state(state)
+    try:
+        yield generator
+    finally:
+        generator.graphsafe_set_state(outer)
+
+
 class RNGStatesTracker:
     """Named generator states that can be swapped in for a region (Megatron's CudaRNGStatesTracker)."""
 
     def __init__(self) -> None:
-        self.states: dict[str, torch.Tensor] = {}
+        self.states: dict[str, Any] = {}  # live state objects on CUDA, snapshot tensors on the CPU
         self.seeds: set[int] = set()
         self.current: Optional[str] = None  # the stream the generator runs now (None: the default one)
 
@@ -58,10 +85,30 @@ class RNGStatesTracker:
         self.states, self.seeds, self.current = {}, set(), None
 
     def get_states(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.states.items()}
+        """Each stream's state as a tensor (what a checkpoint saves)."""
+        if not _live_states():
+            return {k: v.clone() for k, v in self.states.items()}
+        snapshots = {}
+        for name, state in self.states.items():
+            with _running(state) as generator:
+                snapshots[name] = generator.get_state()
+        return snapshots
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states = {k: v.clone() for k, v in states.items()}
+        """Set each stream from a tensor of get_states. On CUDA a known stream keeps its state object (a
+        captured graph holds it) and takes the new seed and offset in place."""
+        if not _live_states():
+            self.states = {k: v.clone() for k, v in states.items()}
+            return
+        for name in list(self.states):
+            if name not in states:
+                del self.states[name]
+        for name, snapshot in states.items():
+            state = self.states.get(name)
+            if state is None:
+                state = self.states[name] = _cuda_generator().clone_state()
+            with _running(state) as generator:
+                generator.set_state(snapshot)
 
     def add(self, name: str, seed: int) -> None:
         if seed in self.seeds:
@@ -69,25 +116,44 @@ class RNGStatesTracker:
         if name in self.states:
             raise ValueError(f"RNG state {name!r} already exists in the tracker")
         self.seeds.add(seed)
+        if _live_states():
+            state = self.states[name] = _cuda_generator().clone_state()
+            with _running(state) as generator:
+                generator.manual_seed(seed)
+            return
         saved = _get_rng_state()
         _manual_seed(seed)
         self.states[name] = _get_rng_state()
         _set_rng_state(saved)
 
+    def graph_states(self) -> list:
+        """The live state objects a CUDA graph must register to draw from the tracked streams."""
+        return list(self.states.values()) if _live_states() else []
+
     @contextlib.contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME):
         """Run the region on stream ``name``; the stream that ran before goes on after it.
 
-        As Megatron's: entering stores the live state of the stream that was running (unless it is
-        the default one) before switching, and leaving stores ``name``'s state and switches back to
-        the outer stream's stored state. So a stream forked again further in (A, then B, then A)
-        continues where it stood: A0, B0, A1, B1, A2, never a replay of numbers already drawn.
+        As Megatron's: a stream forked again further in (A, then B, then A) continues where it stood:
+        A0, B0, A1, B1, A2, never a replay of numbers already drawn. On CUDA the streams are live state
+        objects, which advance in place; on the CPU, entering stores the live state of the stream that was
+        running (unless it is the default one) before switching, and leaving stores ``name``'s state and
+        switches back to the outer stream's stored state.
         """
         if name not in self.states:
             raise KeyError(
                 f"RNG state {name!r} is not in the tracker: call model_parallel_cuda_manual_seed(seed) first"
             )
-        outer, outer_state = self.current, _get_rng_state()
+        outer = self.current
+        if _live_states():
+            self.current = name
+            try:
+                with _running(self.states[name]):
+                    yield
+            finally:
+                self.current = outer
+            return
+        outer_state = _get_rng_state()
         if outer is not None:
             self.states[outer] = outer_state
         _set_rng_state(self.states[name])

@@ -13,7 +13,9 @@ several micro-batches in flight, so a block gets as many captures (slots) as it 
 once during the eager warm-up steps (``InFlight`` counts them). A forward takes a free slot, which its
 backward frees; with none free, or for anything else (evaluation, another shape), the layers run eagerly.
 What a graph cannot hold is refused before any work (``TransformerConfig._check_cuda_graph``, and the
-zero-bubble schedules, whose W split runs outside a layer's backward, in the training arguments).
+zero-bubble schedules, whose W split runs outside a layer's backward, in the training arguments). Dropout
+can be held: its kernels read their Philox seed and offset from generator states that each graph registers
+(tensor_parallel/random.py), so a replay draws new numbers, the same ones as an eager layer.
 
 The fused weight gradient (``gradient_accumulation_fusion``) writes into ``main_grad`` inside the
 backward graph. It also tells the DDP hook, in Python, not to add the placeholder gradient it returns
@@ -26,6 +28,7 @@ when its loop ends (``release_cuda_graphs``), before anyone tears the process gr
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Optional
 
@@ -33,6 +36,37 @@ import torch
 from torch import nn
 
 from parallel3d.pipeline.forward_backward import PipelineConfig
+from parallel3d.tensor_parallel.random import get_cuda_rng_tracker
+
+
+@contextlib.contextmanager
+def _random_streams_registered_and_kept():
+    """Around ``make_graphed_callables``, for dropout inside the layers:
+    - every CUDAGraph it builds registers the RNG tracker's streams (the TP regions' dropout draws from them;
+      the default generator registers itself), so each replay advances them as an eager layer would;
+    - the generators' seeds and offsets are put back afterwards: the capture's warm-up draws nothing the run
+      would have drawn, so a run with graphs draws the very numbers an eager run draws."""
+    if not torch.cuda.is_available():  # a test's stand-in capture on CPU ranks: no CUDA generators to keep
+        yield
+        return
+    tracker = get_cuda_rng_tracker()
+    states, default, tracked = tracker.graph_states(), torch.cuda.get_rng_state(), tracker.get_states()
+    base = torch.cuda.CUDAGraph
+
+    class RegisteringGraph(base):  # torch.cuda.CUDAGraph is built in __new__ (a pybind type): register there
+        def __new__(cls, *args, **kwargs):
+            graph = super().__new__(cls, *args, **kwargs)
+            for state in states:
+                graph.register_generator_state(state)
+            return graph
+
+    torch.cuda.CUDAGraph = RegisteringGraph  # make_graphed_callables builds its graphs as torch.cuda.CUDAGraph()
+    try:
+        yield
+    finally:
+        torch.cuda.CUDAGraph = base
+        torch.cuda.set_rng_state(default)
+        tracker.set_states(tracked)
 
 
 class _FixedInputs(nn.Module):
@@ -106,7 +140,8 @@ class LayerGraphs(InFlight):
             samples = tuple((torch.randn(shape, dtype=dtype, device=device, generator=noise, requires_grad=True),)
                             for _ in layers)
             wrapped = tuple(_FixedInputs(layer, rotary_pos_emb) for layer in layers)
-            return torch.cuda.make_graphed_callables(wrapped, samples, allow_unused_input=True)
+            with _random_streams_registered_and_kept():
+                return torch.cuda.make_graphed_callables(wrapped, samples, allow_unused_input=True)
 
         # The capture's warm-up asks autograd for the weights' gradients on a side stream; their AccumulateGrad
         # nodes, made by the eager steps on the default stream, then warn of a stream mismatch that costs

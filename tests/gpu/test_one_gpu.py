@@ -43,6 +43,35 @@ def test_tracker_forks_the_cuda_generator(on_cuda):
         assert not torch.equal(torch.rand(4, device="cuda"), a), "TP ranks draw different streams"
 
 
+def test_dropout_in_captured_graphs_draws_what_eager_layers_draw(on_cuda):
+    """Dropout on the default stream and on the tracker's TP stream, captured as training captures a layer
+    (make_graphed_callables, the tracker's states registered, the generators kept across the capture): each
+    replay draws new numbers, exactly the ones three eager calls draw from the same starting states."""
+    import torch.nn.functional as F
+
+    from parallel3d.training.cuda_graphs import _random_streams_registered_and_kept
+
+    tracker = tp.get_cuda_rng_tracker()
+
+    def layer(x):
+        with tracker.fork():
+            tp_region = F.dropout(x, 0.5)
+        return tp_region + 2 * F.dropout(x, 0.5)
+
+    tp.model_parallel_cuda_manual_seed(7, tp_rank=0)
+    x = torch.ones(4096, device="cuda", requires_grad=True)
+    default, tracked = torch.cuda.get_rng_state(), tracker.get_states()
+    eager = [layer(x).detach().clone() for _ in range(3)]
+    torch.cuda.set_rng_state(default)
+    tracker.set_states(tracked)
+    with _random_streams_registered_and_kept():
+        graphed = torch.cuda.make_graphed_callables(layer, (x,))
+    replays = [graphed(x).detach().clone() for _ in range(3)]
+    assert not torch.equal(eager[0], eager[1]), "the eager calls draw new numbers"
+    for step, (want, got) in enumerate(zip(eager, replays)):
+        assert torch.equal(got, want), f"replay {step + 1} drew other numbers than eager call {step + 1}"
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_gpt_on_the_gpu_equals_the_cpu(on_cuda, family):
     """The same model and tokens, fp32: the GPU's loss and gradients equal the CPU's within 1e-5."""
