@@ -53,12 +53,13 @@ def _random_streams_registered_and_kept():
     states, default, tracked = tracker.graph_states(), torch.cuda.get_rng_state(), tracker.get_states()
     base = torch.cuda.CUDAGraph
 
-    class RegisteringGraph(base):  # torch.cuda.CUDAGraph is built in __new__ (a pybind type): register there
-        def __new__(cls, *args, **kwargs):
-            graph = super().__new__(cls, *args, **kwargs)
+    class RegisteringGraph(base):
+        # register in __init__: the pybind type's __new__ only allocates, and a method called on the graph
+        # before its __init__ ran dereferences an unbuilt C++ object (a segfault, 2 x H200)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
             for state in states:
-                graph.register_generator_state(state)
-            return graph
+                self.register_generator_state(state)
 
     torch.cuda.CUDAGraph = RegisteringGraph  # make_graphed_callables builds its graphs as torch.cuda.CUDAGraph()
     try:
