@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import parallel_state
 from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
 from . import wgrad_store
 from .fp8 import Fp8Scaling
-from .mappings import gather_along_first_dim
 from .utils import group_rank_and_size, resolve_tp_group, tp_collective
 
 
@@ -65,6 +65,27 @@ def _2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.size(-1))
 
 
+def _gather_input(x: torch.Tensor, group, keep: bool, async_op: bool = False):
+    """The sequence-parallel input gathered along dim 0: (total_x, handle or None).
+
+    Into the TP group's symmetric-window buffer where the run has them (parallel_state.tp_symmetric_buffers;
+    NCCL may then copy on the copy engines), in place: this rank's shard copied into its slot first. ``keep``:
+    the caller holds total_x beyond this layer's backward (a deferred or FP8 weight gradient), so it gets a
+    tensor of its own."""
+    rank, size = group_rank_and_size(group)
+    shape = (size * x.size(0),) + tuple(x.shape[1:])
+    buffers = None if keep else parallel_state.tp_symmetric_buffers(group)
+    if buffers is None:
+        total_x = torch.empty(shape, dtype=x.dtype, device=x.device)
+        shard = x.contiguous()
+    else:
+        total_x = buffers.get(shape, x.dtype, x.device)
+        shard = total_x[rank * x.size(0):(rank + 1) * x.size(0)]
+        shard.copy_(x)
+    handle = all_gather_into_tensor(total_x, shard, group=group, async_op=async_op)
+    return total_x, handle
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """out = x W^T (+ b), with TP communication fused into forward/backward.
 
@@ -87,7 +108,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
         ctx.group = group
-        total_x = gather_along_first_dim(x, group) if sequence_parallel else x
+        total_x = x
+        if sequence_parallel and group_rank_and_size(group)[1] > 1:
+            with tp_collective("all-gather of the sequence-parallel input", group):
+                total_x, _ = _gather_input(x, group, keep=fp8 is not None)
         # F.linear, not matmul then "+ bias": cuBLAS adds the bias in the GEMM's epilogue. The separate
         # broadcast add was a 13 ms kernel of a GPT-1.3B step on one H100 (the QKV bias, 2.4%).
         if fp8 is None:
@@ -102,8 +126,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         _, size = group_rank_and_size(group)
         total_x, handle = x, None
         if ctx.sequence_parallel and size > 1:  # the input's gather (for wgrad) runs beside the dgrad GEMM
-            total_x = torch.empty((size * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-            handle = all_gather_into_tensor(total_x, x.contiguous(), group=group, async_op=True)
+            # a zero-bubble W or the FP8 wgrad reads total_x later: never a reused buffer for them
+            keep = ctx.fp8 is not None or getattr(weight, "defer_wgrad_into", None) is not None
+            total_x, handle = _gather_input(x, group, keep, async_op=True)
         if ctx.fp8 is None:
             grad_input = grad_output.matmul(weight)
         else:
