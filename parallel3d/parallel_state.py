@@ -296,14 +296,15 @@ def initialize_model_parallel(
                 groups[kind], mine[kind] = group, ranks
     mine.setdefault("embedding", [])
     sizes = {dim: len(tables[dim][0]) for dim in DIMENSIONS}  # each dimension's size: its own group's
-    _STATE = ParallelState(sizes, virtual_pipeline_model_parallel_size,
-                           "-".join(parse_order(order)), rank, mine, groups)
+    symmetric = None
     if symmetric_memory.requested() and sizes["tp"] > 1:
         reason = symmetric_memory.unavailable_reason(groups["tp"])
         if reason is not None:
             raise ValueError(f"{symmetric_memory.ENV}=1: the TP all-gathers cannot use NCCL symmetric windows "
                              f"here ({reason}); unset it")
-        _STATE.tp_symmetric_buffers = symmetric_memory.SymmetricBuffers(groups["tp"])
+        symmetric = symmetric_memory.SymmetricBuffers(groups["tp"])
+    _STATE = ParallelState(sizes, virtual_pipeline_model_parallel_size,
+                           "-".join(parse_order(order)), rank, mine, groups, symmetric)
     return _STATE
 
 

@@ -69,6 +69,7 @@ def _refused_on_gloo(rank, world_size):
     try:
         ps.initialize_model_parallel(2)
     except ValueError as e:
+        assert not ps.model_parallel_is_initialized(), "a refused layout was left as the default"
         return str(e)
     ps.destroy_model_parallel()
     return None
