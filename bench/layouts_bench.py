@@ -84,6 +84,13 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     # Megatron's default dropout (0.1): eager, and replayed as graphs that register the RNG tracker's streams
     "tp2-sp-dropout": (2, TP2 + DROPOUT, [], False),
     "tp2-sp-graph-dropout": (2, TP2 + DROPOUT + ["--enable-cuda-graph"], [], False),
+    # EXPERIMENT (branch tp-ce-allgather): the SP all-gathers into NCCL symmetric windows (symmetric_memory.py),
+    # with NCCL's symmetric kernels ("-symm") and on the copy engines (zero-CTA policy, "-ce")
+    **{f"tp2-sp-graph-{v}": (2, TP2 + ["--enable-cuda-graph"], PROFILE, False) for v in ("symm", "ce")},
+    **{f"llama-tp2-sp-graph-{v}": (2, LLAMA + ["--tp", "2", "--sequence-parallel", "--enable-cuda-graph"], [], False)
+       for v in ("symm", "ce")},
+    "tp2-sp-ce": (2, TP2, PROFILE, False),  # eager, the copy engines
+    "tp2-sp-graph-hp": (2, TP2 + ["--enable-cuda-graph"], [], False),  # NCCL's stream at high priority
 }
 # A row without --enable-cuda-graph measures the eager layers: parallel3d's default replays a TP run's layers
 # as graphs (arguments.py, _cuda_graph_rules), which the "-graph" rows measure by name
@@ -92,7 +99,11 @@ RUNS = {name: (gpus, both, ours + ([] if "--enable-cuda-graph" in both + ours el
 # parallel3d runs' extra environment: NCCL's stream at high priority, and (nc8) at most 8 channels, so its
 # blocks fit in the SMs the GEMMs leave free
 _NC8 = {"TORCH_NCCL_HIGH_PRIORITY": "1", "NCCL_MAX_NCHANNELS": "8"}
-ENV = {"tp2-hp-co16": {"TORCH_NCCL_HIGH_PRIORITY": "1"}, "tp2-co16-nc8": _NC8}
+_SYMM = {"PARALLEL3D_TP_SYMMETRIC": "1"}
+_CE = {**_SYMM, "NCCL_CTA_POLICY": "2"}
+ENV = {"tp2-hp-co16": {"TORCH_NCCL_HIGH_PRIORITY": "1"}, "tp2-co16-nc8": _NC8,
+       **{name: _CE if name.endswith("-ce") else _SYMM for name in RUNS if name.endswith(("-symm", "-ce"))},
+       "tp2-sp-graph-hp": {"TORCH_NCCL_HIGH_PRIORITY": "1"}}
 # With MEGATRON_CDMC1=1, Megatron-Core's TP runs also with CUDA_DEVICE_MAX_CONNECTIONS=1 (its own setting for
 # its overlap) and the table takes its faster run (unset was faster in both calls of BENCHMARKS.md's issue-26 section).
 CDMC1 = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from parallel3d import symmetric_memory
+
 # The layout's dimensions, fastest- to slowest-varying in the default order, each with the Megatron
 # argument of its size. A new one (cp, ep) is one entry here, its keyword (and place in the default
 # order) in initialize_model_parallel and build_group_ranks, its groups in GROUPS and its getters.
@@ -159,6 +161,8 @@ class ParallelState:
     rank: int
     group_ranks: dict[str, list[int]]  # this rank's group of each kind (GROUPS, and "embedding")
     groups: dict[str, Optional[dist.ProcessGroup]] = field(repr=False)
+    # the TP all-gathers' buffers in NCCL symmetric windows (symmetric_memory.py), where the run asked for them
+    tp_symmetric_buffers: Optional[Any] = field(default=None, repr=False)
 
     @staticmethod
     def one_process() -> "ParallelState":
@@ -292,9 +296,24 @@ def initialize_model_parallel(
                 groups[kind], mine[kind] = group, ranks
     mine.setdefault("embedding", [])
     sizes = {dim: len(tables[dim][0]) for dim in DIMENSIONS}  # each dimension's size: its own group's
+    symmetric = None
+    if symmetric_memory.requested() and sizes["tp"] > 1:
+        reason = symmetric_memory.unavailable_reason(groups["tp"])
+        if reason is not None:
+            raise ValueError(f"{symmetric_memory.ENV}=1: the TP all-gathers cannot use NCCL symmetric windows "
+                             f"here ({reason}); unset it")
+        symmetric = symmetric_memory.SymmetricBuffers(groups["tp"])
     _STATE = ParallelState(sizes, virtual_pipeline_model_parallel_size,
-                           "-".join(parse_order(order)), rank, mine, groups)
+                           "-".join(parse_order(order)), rank, mine, groups, symmetric)
     return _STATE
+
+
+def tp_symmetric_buffers(group: Optional[dist.ProcessGroup]):
+    """The symmetric-window buffers of ``group`` when it is the default state's TP group and the run asked for
+    them (symmetric_memory.py), else None: the TP all-gathers then allocate their outputs."""
+    if _STATE is None or group is None or group is not _STATE.groups.get("tp"):
+        return None
+    return _STATE.tp_symmetric_buffers
 
 
 def model_parallel_is_initialized() -> bool:
@@ -326,6 +345,8 @@ def destroy_model_parallel() -> None:
     """
     global _STATE
     if _STATE is not None:
+        if _STATE.tp_symmetric_buffers is not None:
+            _STATE.tp_symmetric_buffers.release()
         for group in _STATE.groups.values():  # dict order = creation order, the same on every rank
             if group is not None and group != dist.GroupMember.WORLD:
                 dist.destroy_process_group(group)

@@ -91,3 +91,18 @@ def shards_against(result, ref_weights: dict):
                 full = split_tensor_for_rank(full, p.partition_dim, p.partition_stride, tp_rank, tp,
                                              padded_size=p.size(p.partition_dim) * tp)
             yield global_name, p.detach(), full
+
+
+def assert_trains_like(result, reference, where: str) -> None:
+    """``result`` (this rank's) equals the one-process ``reference`` (losses, gradient norms, full weights):
+    per-iteration losses and gradient norms within 1e-5 (relative above 1), every weight within 2e-5."""
+    ref_losses, ref_norms, ref_weights = reference
+    for it, (got, want) in enumerate(zip(result["losses"], ref_losses)):
+        for key in want:
+            err = abs(got[key] - want[key])
+            assert err <= 1e-5 * max(1.0, abs(want[key])), f"{where} iteration {it + 1} {key}: {got} vs {want}"
+    for it, (got, want) in enumerate(zip(result["grad_norms"], ref_norms)):
+        assert abs(got - want) <= 1e-5 * max(1.0, want), f"{where} iteration {it + 1} grad norm: {got} vs {want}"
+    for name, got, want in shards_against(result, ref_weights):
+        err = (got - want).abs().max().item()
+        assert err <= 2e-5, f"{where} weight {name} differs from the single process by {err:.3g}"

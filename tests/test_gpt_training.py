@@ -16,7 +16,7 @@ from contextlib import redirect_stderr
 import pytest
 import torch
 
-from gpt_harness import FAMILIES, ROOT, full_weights, layout_args, shards_against, train
+from gpt_harness import FAMILIES, ROOT, assert_trains_like, full_weights, layout_args, train
 from parallel3d.training import checkpointing, gpt
 from parallel3d.training.arguments import parse_args
 from parallel3d.training.checkpoint_args import apply_checkpoint_args
@@ -80,17 +80,7 @@ def _sweep(rank, world_size, refs, layouts=LAYOUTS, adjust=None):
         ps.initialize_model_parallel(tp, pp, args.virtual_pipeline_model_parallel_size)
         where = f"[{family} TP={tp} PP={pp} V={vp} SP={sp} {' '.join(extra)}]"
         try:
-            result = train(args)
-            ref_losses, ref_norms, ref_weights = refs[family]
-            for it, (got, want) in enumerate(zip(result["losses"], ref_losses)):
-                for key in want:
-                    err = abs(got[key] - want[key])
-                    assert err <= 1e-5 * max(1.0, abs(want[key])), f"{where} iteration {it + 1} {key}: {got} vs {want}"
-            for it, (got, want) in enumerate(zip(result["grad_norms"], ref_norms)):
-                assert abs(got - want) <= 1e-5 * max(1.0, want), f"{where} iteration {it + 1} grad norm: {got} vs {want}"
-            for name, got, want in shards_against(result, ref_weights):
-                err = (got - want).abs().max().item()
-                assert err <= 2e-5, f"{where} weight {name} differs from the single process by {err:.3g}"
+            assert_trains_like(train(args), refs[family], where)
         finally:
             ps.destroy_model_parallel()
         done.append(where)

@@ -7,6 +7,10 @@ The forward's all-gather / reduce-scatter stay exposed. Pipelining them against 
 ``--tp-comm-overlap``) measured 0.54-0.80x on 4 x H100 (BENCHMARKS.md, "TP communication overlap"),
 so it is not here.
 
+EXPERIMENT (branch tp-ce-allgather, symmetric_memory.py): where the TP group has symmetric-window buffers,
+the sequence-parallel all-gathers go into them, and the forward's GEMM is split by source rank so that this
+rank's rows run while the all-gather (on the copy engines) brings the others'.
+
 The weight gradient goes through ``weight_gradient``: deferred to a zero-bubble W, fused into
 ``main_grad``, or returned to autograd.
 
@@ -23,10 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import parallel_state
 from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
 from . import wgrad_store
 from .fp8 import Fp8Scaling
-from .mappings import gather_along_first_dim
 from .utils import group_rank_and_size, resolve_tp_group, tp_collective
 
 
@@ -65,6 +69,54 @@ def _2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.size(-1))
 
 
+def _gather_input(x: torch.Tensor, group, keep: bool, async_op: bool = False, buffers=None):
+    """The sequence-parallel input gathered along dim 0: (total_x, handle or None).
+
+    Into the TP group's symmetric-window buffer where the run has them (parallel_state.tp_symmetric_buffers;
+    NCCL may then copy on the copy engines), in place: this rank's shard copied into its slot first. ``keep``:
+    the caller holds total_x beyond this layer's backward (a deferred or FP8 weight gradient), so it gets a
+    tensor of its own."""
+    rank, size = group_rank_and_size(group)
+    shape = (size * x.size(0),) + tuple(x.shape[1:])
+    if buffers is None and not keep:
+        buffers = parallel_state.tp_symmetric_buffers(group)
+    if buffers is None:
+        total_x = torch.empty(shape, dtype=x.dtype, device=x.device)
+        shard = x.contiguous()
+    else:
+        total_x = buffers.get(shape, x.dtype, x.device)
+        shard = total_x[rank * x.size(0):(rank + 1) * x.size(0)]
+        shard.copy_(x)
+    handle = all_gather_into_tensor(total_x, shard, group=group, async_op=async_op)
+    return total_x, handle
+
+
+def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """out = x W^T (+ b), written into ``out`` (a contiguous block of rows), the bias in the GEMM's epilogue."""
+    if bias is None:
+        torch.mm(_2d(x), weight.t(), out=_2d(out))
+    else:
+        torch.addmm(bias, _2d(x), weight.t(), out=_2d(out))
+
+
+def _linear_beside_gather(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
+                          buffers) -> torch.Tensor:
+    """F.linear of the gathered sequence-parallel input with its GEMM split by source rank: this rank's rows
+    run while the others' rows arrive. A copy-engine all-gather needs no SMs, so it runs beside that GEMM;
+    row by row the product is the unsplit one's."""
+    rank, size = group_rank_and_size(group)
+    n = x.size(0)
+    with tp_collective("all-gather of the sequence-parallel input", group):
+        total_x, handle = _gather_input(x, group, keep=False, async_op=True, buffers=buffers)
+        out = torch.empty(total_x.shape[:-1] + (weight.size(0),), dtype=x.dtype, device=x.device)
+        _linear_into(out[rank * n:(rank + 1) * n], x, weight, bias)
+        handle.wait()
+    for r in range(size):
+        if r != rank:
+            _linear_into(out[r * n:(r + 1) * n], total_x[r * n:(r + 1) * n], weight, bias)
+    return out
+
+
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """out = x W^T (+ b), with TP communication fused into forward/backward.
 
@@ -87,7 +139,13 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
         ctx.group = group
-        total_x = gather_along_first_dim(x, group) if sequence_parallel else x
+        total_x = x
+        if sequence_parallel and group_rank_and_size(group)[1] > 1:
+            buffers = parallel_state.tp_symmetric_buffers(group)
+            if buffers is not None and fp8 is None:
+                return _linear_beside_gather(x, weight, bias, group, buffers)
+            with tp_collective("all-gather of the sequence-parallel input", group):
+                total_x, _ = _gather_input(x, group, keep=True)
         # F.linear, not matmul then "+ bias": cuBLAS adds the bias in the GEMM's epilogue. The separate
         # broadcast add was a 13 ms kernel of a GPT-1.3B step on one H100 (the QKV bias, 2.4%).
         if fp8 is None:
@@ -102,8 +160,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         _, size = group_rank_and_size(group)
         total_x, handle = x, None
         if ctx.sequence_parallel and size > 1:  # the input's gather (for wgrad) runs beside the dgrad GEMM
-            total_x = torch.empty((size * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-            handle = all_gather_into_tensor(total_x, x.contiguous(), group=group, async_op=True)
+            # a zero-bubble W or the FP8 wgrad reads total_x later: never a reused buffer for them
+            keep = ctx.fp8 is not None or getattr(weight, "defer_wgrad_into", None) is not None
+            total_x, handle = _gather_input(x, group, keep, async_op=True)
         if ctx.fp8 is None:
             grad_input = grad_output.matmul(weight)
         else:
