@@ -40,6 +40,7 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 PROFILE = ["--profile-overlap"]  # one more step, profiled after the timed ones: where the GPU time goes
 TP2_NOSP = GPT + ["--global-batch-size", "16", "--tp", "2"]
 LLAMA = ["--preset", "llama-1b", "--global-batch-size", "16"]
+LLAMA_TP2_SP = LLAMA + ["--tp", "2", "--sequence-parallel"]
 TP2_PP2_V2 = GPT + ["--global-batch-size", "32", "--tp", "2", "--pp", "2", "--vpp", "2", "--sequence-parallel"]
 # name: (GPUs, flags both runners take, flags only parallel3d takes, run Megatron-Core too)
 RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
@@ -84,12 +85,12 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     # Megatron's default dropout (0.1): eager, and replayed as graphs that register the RNG tracker's streams
     "tp2-sp-dropout": (2, TP2 + DROPOUT, [], False),
     "tp2-sp-graph-dropout": (2, TP2 + DROPOUT + ["--enable-cuda-graph"], [], False),
-    # EXPERIMENT (branch tp-ce-allgather): the SP all-gathers into NCCL symmetric windows (symmetric_memory.py),
-    # with NCCL's symmetric kernels ("-symm") and on the copy engines (zero-CTA policy, "-ce")
-    **{f"tp2-sp-graph-{v}": (2, TP2 + ["--enable-cuda-graph"], PROFILE, False) for v in ("symm", "ce")},
-    **{f"llama-tp2-sp-graph-{v}": (2, LLAMA + ["--tp", "2", "--sequence-parallel", "--enable-cuda-graph"], [], False)
-       for v in ("symm", "ce")},
-    "tp2-sp-ce": (2, TP2, PROFILE, False),  # eager, the copy engines
+    # The SP all-gathers: the default (NCCL symmetric windows on the copy engines, symmetric_memory.py) against
+    # the windows with NCCL's symmetric kernels ("-symm", NCCL_CTA_POLICY=0) and NCCL's own buffers ("-plain")
+    **{f"{row}-{v}": (2, both, ours + (["--no-tp-symmetric-gathers"] if v == "plain" else []), False)
+       for row, both, ours in (("tp2-sp", TP2, PROFILE), ("tp2-sp-graph", TP2 + ["--enable-cuda-graph"], PROFILE),
+                               ("llama-tp2-sp-graph", LLAMA_TP2_SP + ["--enable-cuda-graph"], []))
+       for v in ("symm", "plain")},
     "tp2-sp-graph-hp": (2, TP2 + ["--enable-cuda-graph"], [], False),  # NCCL's stream at high priority
 }
 # A row without --enable-cuda-graph measures the eager layers: parallel3d's default replays a TP run's layers
@@ -99,10 +100,8 @@ RUNS = {name: (gpus, both, ours + ([] if "--enable-cuda-graph" in both + ours el
 # parallel3d runs' extra environment: NCCL's stream at high priority, and (nc8) at most 8 channels, so its
 # blocks fit in the SMs the GEMMs leave free
 _NC8 = {"TORCH_NCCL_HIGH_PRIORITY": "1", "NCCL_MAX_NCHANNELS": "8"}
-_SYMM = {"PARALLEL3D_TP_SYMMETRIC": "1"}
-_CE = {**_SYMM, "NCCL_CTA_POLICY": "2"}
 ENV = {"tp2-hp-co16": {"TORCH_NCCL_HIGH_PRIORITY": "1"}, "tp2-co16-nc8": _NC8,
-       **{name: _CE if name.endswith("-ce") else _SYMM for name in RUNS if name.endswith(("-symm", "-ce"))},
+       **{name: {"NCCL_CTA_POLICY": "0"} for name in RUNS if name.endswith("-symm")},
        "tp2-sp-graph-hp": {"TORCH_NCCL_HIGH_PRIORITY": "1"}}
 # With MEGATRON_CDMC1=1, Megatron-Core's TP runs also with CUDA_DEVICE_MAX_CONNECTIONS=1 (its own setting for
 # its overlap) and the table takes its faster run (unset was faster in both calls of BENCHMARKS.md's issue-26 section).

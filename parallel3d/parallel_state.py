@@ -161,8 +161,10 @@ class ParallelState:
     rank: int
     group_ranks: dict[str, list[int]]  # this rank's group of each kind (GROUPS, and "embedding")
     groups: dict[str, Optional[dist.ProcessGroup]] = field(repr=False)
-    # the TP all-gathers' buffers in NCCL symmetric windows (symmetric_memory.py), where the run asked for them
+    # the TP all-gathers' buffers in NCCL symmetric windows (symmetric_memory.py); None where unavailable or off,
+    # and why
     tp_symmetric_buffers: Optional[Any] = field(default=None, repr=False)
+    tp_symmetric_off_reason: Optional[str] = field(default=None, repr=False)
 
     @staticmethod
     def one_process() -> "ParallelState":
@@ -254,6 +256,7 @@ def initialize_model_parallel(
     order: str = "tp-dp-pp",
     distributed_timeout_minutes: Optional[float] = None,
     timeout: Optional[datetime.timedelta] = None,
+    tp_symmetric_gathers: Optional[bool] = None,
     **megatron_keywords: Any,
 ) -> ParallelState:
     """Create the TP/PP/DP/model-parallel/embedding groups and make them the default.
@@ -261,7 +264,9 @@ def initialize_model_parallel(
     Every rank must call this with the same arguments (torch.distributed.new_group
     is collective over the whole world). ``timeout`` (or Megatron's ``distributed_timeout_minutes``)
     bounds every operation of the new groups; None: torch's default (Megatron's default is 30
-    minutes). ``order``: Megatron's order string (:func:`parse_order`). Megatron's other keywords
+    minutes). ``order``: Megatron's order string (:func:`parse_order`). ``tp_symmetric_gathers``: the
+    sequence-parallel all-gathers into NCCL symmetric windows (symmetric_memory.py); None: where available,
+    True: required (refused where unavailable), False: off. Megatron's other keywords
     are accepted where they mean this layout (``context_parallel_size=1``, ...) and refused by name
     otherwise.
     """
@@ -296,21 +301,22 @@ def initialize_model_parallel(
                 groups[kind], mine[kind] = group, ranks
     mine.setdefault("embedding", [])
     sizes = {dim: len(tables[dim][0]) for dim in DIMENSIONS}  # each dimension's size: its own group's
-    symmetric = None
-    if symmetric_memory.requested() and sizes["tp"] > 1:
-        reason = symmetric_memory.unavailable_reason(groups["tp"])
-        if reason is not None:
-            raise ValueError(f"{symmetric_memory.ENV}=1: the TP all-gathers cannot use NCCL symmetric windows "
-                             f"here ({reason}); unset it")
-        symmetric = symmetric_memory.SymmetricBuffers(groups["tp"])
+    symmetric, reason = None, "turned off (tp_symmetric_gathers=False)"
+    if tp_symmetric_gathers is not False:
+        reason = symmetric_memory.unavailable_reason(groups.get("tp"))
+        if reason is not None and tp_symmetric_gathers:
+            raise ValueError(f"initialize_model_parallel: tp_symmetric_gathers=True, but the TP all-gathers cannot "
+                             f"use NCCL symmetric windows here ({reason}); pass None (where available) or False")
+        if reason is None:
+            symmetric = symmetric_memory.SymmetricBuffers(groups["tp"])
     _STATE = ParallelState(sizes, virtual_pipeline_model_parallel_size,
-                           "-".join(parse_order(order)), rank, mine, groups, symmetric)
+                           "-".join(parse_order(order)), rank, mine, groups, symmetric, reason)
     return _STATE
 
 
 def tp_symmetric_buffers(group: Optional[dist.ProcessGroup]):
-    """The symmetric-window buffers of ``group`` when it is the default state's TP group and the run asked for
-    them (symmetric_memory.py), else None: the TP all-gathers then allocate their outputs."""
+    """The symmetric-window buffers of ``group`` when it is the default state's TP group and they are on
+    (symmetric_memory.py), else None: the TP all-gathers then allocate their outputs."""
     if _STATE is None or group is None or group is not _STATE.groups.get("tp"):
         return None
     return _STATE.tp_symmetric_buffers

@@ -12,8 +12,10 @@ and dtype. Stream order keeps the reuse safe: a gather waits for every kernel qu
 them the GEMMs that read the last gather's result. A caller that keeps a gathered tensor alive past its
 layer's backward (a deferred weight gradient) must not take one.
 
-EXPERIMENT (branch tp-ce-allgather): switched on by ``PARALLEL3D_TP_SYMMETRIC=1`` in the environment
-until measured against the plain gathers (bench/layouts_bench.py rows ``*-symm``).
+On by default wherever it is available (NCCL >= 2.28, torch with NCCL symmetric memory):
+``initialize_model_parallel(tp_symmetric_gathers=False)`` or ``--no-tp-symmetric-gathers`` turns it off.
+The training application sets ``NCCL_CTA_POLICY=2`` where the user has not (``nccl_environment_defaults``);
+with another policy the windows still take NCCL's symmetric kernels (BENCHMARKS.md, issue 26).
 """
 from __future__ import annotations
 
@@ -23,19 +25,32 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-ENV = "PARALLEL3D_TP_SYMMETRIC"
+# NCCL reads its policy when a communicator is built: set before init_process_group
+NCCL_ENV_DEFAULTS = {"NCCL_CTA_POLICY": "2"}
 
 
-def requested() -> bool:
-    """Whether this run asked for the TP all-gathers in symmetric windows (the experiment's switch)."""
-    return os.environ.get(ENV, "0") == "1"
+def nccl_environment_defaults() -> dict[str, str]:
+    """Set ``NCCL_ENV_DEFAULTS`` where the user has not (before init_process_group); return what was set.
+    The zero-CTA policy moves only collectives on symmetric windows to the copy engines; others keep NCCL's
+    kernels."""
+    applied = {k: v for k, v in NCCL_ENV_DEFAULTS.items() if k not in os.environ}
+    os.environ.update(applied)
+    return applied
+
+
+def describe(buffers: Optional["SymmetricBuffers"], reason: Optional[str]) -> str:
+    """The training log's line on which TP all-gather path runs."""
+    if buffers is None:
+        return f"TP all-gathers: NCCL's own buffers ({reason})"
+    engines = "copy engines" if os.environ.get("NCCL_CTA_POLICY") == "2" else "NCCL symmetric kernels"
+    return f"TP all-gathers: NCCL symmetric windows, on the {engines} (--no-tp-symmetric-gathers: off)"
 
 
 def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
     """Why symmetric windows cannot serve ``group`` here, or None when they can."""
     if group is None or dist.get_world_size(group) == 1:
         return "no tensor-parallel group"
-    if dist.get_backend(group) != "nccl":
+    if "nccl" not in dist.get_backend(group):
         return f"the {dist.get_backend(group)} backend (symmetric windows are NCCL's)"
     try:
         import torch.distributed._symmetric_memory as symm_mem

@@ -5,7 +5,6 @@ persistent tensor per shape that every later gather of that shape overwrites, so
 gathered tensor too long (a zero-bubble W reading its input after later layers gathered theirs) would
 train differently from one process. The refusal where windows cannot serve (gloo) is checked too.
 """
-import pytest
 import torch
 
 from gpt_harness import assert_trains_like, full_weights, layout_args, train
@@ -65,25 +64,44 @@ def test_gathers_into_reused_buffers_train_like_a_single_process():
     assert all(len(r) == len(LAYOUTS) for r in results)
 
 
-def _refused_on_gloo(rank, world_size):
-    try:
-        ps.initialize_model_parallel(2)
-    except ValueError as e:
-        assert not ps.model_parallel_is_initialized(), "a refused layout was left as the default"
-        return str(e)
-    ps.destroy_model_parallel()
-    return None
+def _gloo_choices(rank, world_size):
+    """What initialize_model_parallel does with each tp_symmetric_gathers on gloo ranks."""
+    seen = {}
+    for choice in (None, False, True):
+        try:
+            state = ps.initialize_model_parallel(2, tp_symmetric_gathers=choice)
+        except ValueError as e:
+            assert not ps.model_parallel_is_initialized(), "a refused layout was left as the default"
+            seen[choice] = ("refused", str(e))
+            continue
+        seen[choice] = (state.tp_symmetric_buffers, state.tp_symmetric_off_reason)
+        ps.destroy_model_parallel()
+    return seen
 
 
-def test_asking_for_symmetric_gathers_on_gloo_is_refused_by_name():
-    messages = run_distributed(_refused_on_gloo, 2, timeout=60, env={symmetric_memory.ENV: "1"})
-    for message in messages:
-        assert message is not None and symmetric_memory.ENV in message and "gloo" in message, message
+def test_symmetric_gathers_where_available_required_or_off():
+    for seen in run_distributed(_gloo_choices, 2, timeout=60):
+        # the default: on where available, so gloo ranks gather into their own buffers and say why
+        assert seen[None][0] is None and "gloo" in seen[None][1], seen
+        assert seen[False][0] is None and "tp_symmetric_gathers=False" in seen[False][1], seen
+        kind, message = seen[True]
+        assert kind == "refused" and "tp_symmetric_gathers=True" in message and "gloo" in message, seen
 
 
-@pytest.mark.parametrize("value", ["0", ""])
-def test_symmetric_gathers_are_off_unless_asked(value, monkeypatch):
-    monkeypatch.setenv(symmetric_memory.ENV, value)
-    assert not symmetric_memory.requested()
-    monkeypatch.setenv(symmetric_memory.ENV, "1")
-    assert symmetric_memory.requested()
+def test_the_training_application_sets_the_copy_engine_policy_unless_the_user_did(monkeypatch):
+    monkeypatch.delenv("NCCL_CTA_POLICY", raising=False)
+    assert symmetric_memory.nccl_environment_defaults() == {"NCCL_CTA_POLICY": "2"}
+    monkeypatch.setenv("NCCL_CTA_POLICY", "0")
+    assert symmetric_memory.nccl_environment_defaults() == {}
+    assert "symmetric kernels" in symmetric_memory.describe(ReusedBuffers(), None)
+
+
+def test_the_off_switch_reaches_the_layout():
+    from parallel3d.training.arguments import parse_args, validate_args
+    from parallel3d.training.training_config import TrainingConfig
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--train-iters", "1"]
+    on = TrainingConfig.from_args(validate_args(parse_args(base), 1)).layout
+    off = TrainingConfig.from_args(validate_args(parse_args(base + ["--no-tp-symmetric-gathers"]), 1)).layout
+    assert on.tp_symmetric_gathers and not off.tp_symmetric_gathers

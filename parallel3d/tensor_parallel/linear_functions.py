@@ -2,14 +2,12 @@
 which runs beside a GEMM in backward: the sequence-parallel input's all-gather beside the input-gradient
 GEMM, the input gradient's reduce beside the weight-gradient GEMM.
 
-The forward's all-gather / reduce-scatter stay exposed. Pipelining them against pieces of the GEMM
-(torch's symmetric-memory ``fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``, tried as
-``--tp-comm-overlap``) measured 0.54-0.80x on 4 x H100 (BENCHMARKS.md, "TP communication overlap"),
-so it is not here.
-
-EXPERIMENT (branch tp-ce-allgather, symmetric_memory.py): where the TP group has symmetric-window buffers,
-the sequence-parallel all-gathers go into them, and the forward's GEMM is split by source rank so that this
-rank's rows run while the all-gather (on the copy engines) brings the others'.
+Where the TP group has symmetric-window buffers (the default where NCCL has them, symmetric_memory.py),
+the sequence-parallel all-gathers go into them, on the copy engines, and the forward's GEMM is split by
+source rank so that this rank's rows run while the all-gather brings the others'. The forward's
+reduce-scatter stays exposed: pipelining it against pieces of the GEMM (torch's symmetric-memory
+``fused_matmul_reduce_scatter``, tried as ``--tp-comm-overlap``) measured 0.54-0.80x on 4 x H100
+(BENCHMARKS.md, "TP communication overlap").
 
 The weight gradient goes through ``weight_gradient``: deferred to a zero-bubble W, fused into
 ``main_grad``, or returned to autograd.

@@ -114,6 +114,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="pipeline schedule (default: 1f1b, interleaved-1f1b with virtual stages); zb-v and "
                         "dualpipev hold two chunks per rank in a V (virtual size 2 implied)")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--no-tp-symmetric-gathers", dest="tp_symmetric_gathers", action="store_false",
+                   help="the sequence-parallel all-gathers into NCCL's own buffers, not symmetric windows "
+                        "(which, where NCCL >= 2.28 has them, run on the copy engines beside the GEMMs)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="start each gradient bucket's all-reduce while backward runs")

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from parallel3d import parallel_state
+from parallel3d import parallel_state, symmetric_memory
 from parallel3d.device import default_backend, default_device
 from parallel3d.distributed_timeout import prepare_process_groups, start_watchdog
 from parallel3d.distributed import DistributedDataParallel, OptimizerParamScheduler
@@ -56,9 +56,15 @@ def initialize_distributed(config: TrainingConfig | argparse.Namespace) -> None:
     # Megatron's --distributed-timeout-minutes: gloo's 30 min default would stall every rank that long.
     # NCCL's groups get a longer timeout than ours: our watchdog names the hung operation first (distributed_timeout).
     timeout = prepare_process_groups(backend, datetime.timedelta(minutes=loop.distributed_timeout_minutes))
+    symmetric = layout.sequence_parallel and layout.tp_symmetric_gathers
+    if backend == "nccl" and symmetric:
+        symmetric_memory.nccl_environment_defaults()  # the copy engines' policy, before NCCL's communicators
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
-    parallel_state.initialize_model_parallel(**layout.model_parallel_sizes, timeout=timeout)
+    state = parallel_state.initialize_model_parallel(**layout.model_parallel_sizes, timeout=timeout,
+                                                     tp_symmetric_gathers=None if symmetric else False)
+    if layout.sequence_parallel:
+        print_rank_0(symmetric_memory.describe(state.tp_symmetric_buffers, state.tp_symmetric_off_reason))
     start_watchdog()
     # Megatron's _set_random_seed: one seed per pipeline stage for the CPU generator (weights are
     # initialised there) and the device's, TP streams inside the tracker.

@@ -22,12 +22,10 @@ REFUSED: dict[str, str] = {
     "--overlap-param-gather": "the distributed optimizer all-gathers parameters right after its step; "
                               "--overlap-grad-reduce overlaps the gradient reduction with backward",
     "--use-torch-fsdp2": "FSDP is not implemented; --use-distributed-optimizer shards the optimizer state (ZeRO-1)",
-    "--tp-comm-overlap": "not implemented: the three overlaps tried here measured slower (the sequence-parallel "
-                         "collectives pipelined against GEMM pieces, Domino-style batch pieces, and collectives on "
-                         "the copy engine; BENCHMARKS.md, issue 26): an NCCL kernel beside a cuBLAS GEMM waits for "
-                         "its SMs, and a TP=2 step at micro-batch 4 is bound by the host's launches. Omit the flag; "
-                         "--enable-cuda-graph (the host's launches replayed), a larger --micro-batch-size, or TP "
-                         "without --sequence-parallel where its memory fits, measured faster",
+    "--tp-comm-overlap": "Transformer Engine's userbuffers overlap is not here; parallel3d overlaps by default: "
+                         "the sequence-parallel all-gathers run in NCCL symmetric windows on the copy engines "
+                         "beside the GEMMs (--no-tp-symmetric-gathers turns that off), and --enable-cuda-graph "
+                         "replays the layers (BENCHMARKS.md, issue 26). Omit the flag",
     "--ckpt-format": "parallel3d has one checkpoint format (a safetensors file per TP/PP rank, Megatron's directory "
                      "names); omit the flag. tools/convert_checkpoint.py converts to and from Hugging Face",
     "--use-dist-ckpt": "parallel3d has one checkpoint format; omit the flag (see --ckpt-format)",

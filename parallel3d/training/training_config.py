@@ -41,6 +41,9 @@ class LayoutConfig:
     num_microbatches: int  # this iteration's
     target_global_batch_size: int  # --global-batch-size
     rampup_batch_size: Optional[tuple]  # (start, increment, samples), or None
+    # the SP all-gathers into NCCL symmetric windows where available (symmetric_memory.py);
+    # --no-tp-symmetric-gathers: False
+    tp_symmetric_gathers: bool = True
 
     def at_consumed(self, consumed_samples: int) -> "LayoutConfig":
         """The batch of the iteration after ``consumed_samples`` samples (self without a rampup)."""

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpt_harness import full_weights, layout_args, shards_against, train  # noqa: E402
 from parallel3d import parallel_state as ps  # noqa: E402
+from parallel3d import symmetric_memory  # noqa: E402
 from parallel3d.device import default_backend  # noqa: E402
 
 
@@ -102,6 +103,7 @@ def main() -> None:
         cases = json.load(f)
     if default_backend() == "nccl":  # bind the rank to its GPU before NCCL creates a communicator
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        symmetric_memory.nccl_environment_defaults()  # the training application's NCCL policy
     dist.init_process_group(default_backend(), timeout=datetime.timedelta(minutes=5))
     rank = dist.get_rank()
     for case in cases:
