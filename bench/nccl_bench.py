@@ -206,6 +206,9 @@ def main() -> None:
               f"{torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
               f"NCCL_CTA_POLICY={os.environ.get('NCCL_CTA_POLICY', 'unset')})")
         for r in rows:
+            if "error" in r:
+                print(f"{r['op']:15s} {r['size_mib']:6.1f} {r['where']:22s} failed: {r['error']}")
+                continue
             print(f"{r['op']:15s} {r['size_mib']:6.1f} {r['where']:22s} {r['ms']:8.3f} {r['busbw_gbs']:10.1f}"
                   + ("" if r.get("equal", True) else "   DIFFERS from the plain all-gather"))
         emit_result(rows, a.json_out)
