@@ -62,21 +62,6 @@ def sm_carveout(count) -> None:
     torch._C._set_sm_carveout_experimental(count)
 
 
-def symmetric_buffers(*numels: int) -> list[torch.Tensor]:
-    """bf16 tensors in NCCL symmetric windows: allocated from torch's symmetric-memory pool (NCCL backend)
-    and registered with every rank's communicator (rendezvous), as torch's FSDP does for its all-gathers."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    if hasattr(symm_mem, "get_mem_pool"):
-        with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(torch.device("cuda", torch.cuda.current_device()))):
-            out = [torch.randn(numel, device="cuda", dtype=torch.bfloat16) for numel in numels]
-    else:  # older torch: one allocation each
-        out = [symm_mem.empty(numel, device="cuda", dtype=torch.bfloat16).normal_() for numel in numels]
-    for t in out:
-        symm_mem.rendezvous(t, group=dist.group.WORLD.group_name)
-    return out
-
-
 def graphed(fn):
     """``fn`` captured once in a CUDA graph (after one eager run, which sets NCCL up); returns its replay."""
     side = torch.cuda.Stream()
@@ -108,36 +93,49 @@ def collective_row(op: str, mib: float, where: str, ms: float, numel: int, n: in
 def symmetric_rows(mib: float, numel: int, n: int, gemm, iters: int, warmup: int) -> list[dict]:
     """The all-gather and reduce-scatter of ``numel`` bf16 elements on symmetric-window buffers: alone, beside
     a GEMM, and (the all-gather) replayed from a CUDA graph; each all-gather checked against the plain one."""
-    full, shard = symmetric_buffers(numel, numel // n)
+    from parallel3d.symmetric_memory import SymmetricBuffers
+
+    windows = SymmetricBuffers(dist.group.WORLD)  # the training's allocation and registration
+    full = windows.get((numel,), torch.bfloat16, torch.device("cuda", torch.cuda.current_device())).normal_()
+    shard = full[dist.get_rank() * (numel // n):(dist.get_rank() + 1) * (numel // n)]  # in place, as training
+    own_window = windows.get((numel // n,), torch.bfloat16, full.device).normal_()
     reference = torch.empty_like(full)
     plain_shard = torch.empty_like(shard, memory_format=torch.contiguous_format).normal_()
     ops = {
         "all_gather": lambda: all_gather_into_tensor(full, shard),
-        # the output alone in a window (the input an ordinary tensor), as a layer's gathered input would be
+        # the input in a window of its own (this failed with NCCL's "invalid argument", 2 x H200)
+        "all_gather 2win": lambda: all_gather_into_tensor(full, own_window),
+        # the output alone in a window (the input an ordinary tensor)
         "all_gather out": lambda: all_gather_into_tensor(full, plain_shard),
-        "reduce_scatter": lambda: reduce_scatter_tensor(shard, full),
+        "reduce_scatter": lambda: reduce_scatter_tensor(plain_shard, full),
     }
+    inputs = {"all_gather": shard, "all_gather 2win": own_window, "all_gather out": plain_shard}
     rows = []
 
     def measure(name, fn):
         for where, beside in (("symmetric, alone", None), ("symmetric, beside GEMM", gemm)):
             row = collective_row(name, mib, where, time_ms(fn, iters, warmup, beside), numel, n)
             if name.startswith("all_gather"):
-                shard.normal_()  # the reduce-scatters rewrote it
-                all_gather_into_tensor(reference, (plain_shard if name == "all_gather out" else shard).clone())
+                source = inputs[name.replace(" graph", "")]
+                expected = source.clone()
+                all_gather_into_tensor(reference, expected)
                 full.zero_()
+                source.copy_(expected)  # the in-place shard is part of the zeroed output
                 fn()
                 row["equal"] = bool(torch.equal(full, reference))
             rows.append(row)
 
     for name, fn in ops.items():
-        measure(name, fn)
-    # the graph last: after its capture (2 x H200, NCCL 2.28.9) the next eager all-gather failed with NCCL's
-    # "invalid argument"; a failure here is the row's result
+        try:
+            measure(name, fn)
+        except Exception as e:  # noqa: BLE001 - reported as the row's result
+            rows.append({"op": name, "size_mib": mib, "where": "symmetric", "error": str(e)[:300]})
+    # the graph last: a failed capture leaves the eager rows measured
     try:
         measure("all_gather graph", graphed(ops["all_gather"]))
     except Exception as e:  # noqa: BLE001 - reported as the row's result
         rows.append({"op": "all_gather graph", "size_mib": mib, "where": "symmetric", "error": str(e)[:300]})
+    windows.release()
     return rows
 
 

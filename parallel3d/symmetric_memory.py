@@ -56,7 +56,7 @@ def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
         import torch.distributed._symmetric_memory as symm_mem
     except ImportError:
         return f"torch {torch.__version__} has no torch.distributed._symmetric_memory"
-    if not hasattr(symm_mem, "set_backend"):
+    if not hasattr(symm_mem, "set_backend") or not hasattr(symm_mem._SymmetricMemory, "empty_strided_p2p"):
         return f"torch {torch.__version__}'s symmetric memory has no NCCL backend"
     if torch.cuda.nccl.version() < (2, 28, 0):
         return f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))} (copy-engine all-gathers need 2.28)"
@@ -87,15 +87,19 @@ class SymmetricBuffers:
                 raise RuntimeError(f"a symmetric all-gather buffer of shape {tuple(shape)} first asked for inside a "
                                    "CUDA graph's capture: registering it is a collective; run an eager step first")
             symm_mem = self._symm_mem
-            if hasattr(symm_mem, "get_mem_pool"):
-                with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
-                    buffer = torch.empty(shape, dtype=dtype, device=device)
-            else:
-                buffer = symm_mem.empty(shape, dtype=dtype, device=device)
+            # an allocation of its own, not from torch's symmetric pool: freed, it deregisters its window, which
+            # release() needs while the communicator lives. A pool keeps freed blocks registered to the end of
+            # the process, when NCCL's deregistration reads a destroyed communicator (a segfault at exit after a
+            # group was destroyed, 2 x H200; NCCL frees windows with their communicator)
+            stride = torch._prims_common.make_contiguous_strides_for(tuple(shape))
+            buffer = symm_mem._SymmetricMemory.empty_strided_p2p(tuple(shape), stride, dtype, device)
             symm_mem.rendezvous(buffer, group=self.group.group_name)
             self._buffers[key] = buffer
         return buffer
 
     def release(self) -> None:
-        """Forget every buffer (before the group is destroyed)."""
+        """Free every buffer, deregistering its window: before the group is destroyed, after the GPU is done
+        with them (the last gathers may still run)."""
+        if self._buffers:
+            torch.cuda.synchronize()
         self._buffers.clear()
