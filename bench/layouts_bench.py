@@ -85,10 +85,11 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     # Megatron's default dropout (0.1): eager, and replayed as graphs that register the RNG tracker's streams
     "tp2-sp-dropout": (2, TP2 + DROPOUT, [], False),
     "tp2-sp-graph-dropout": (2, TP2 + DROPOUT + ["--enable-cuda-graph"], [], False),
-    # The SP all-gathers: the default (NCCL symmetric windows on the copy engines, symmetric_memory.py) against
-    # the windows with NCCL's symmetric kernels ("-symm", NCCL_CTA_POLICY=0) and NCCL's own buffers ("-plain")
+    # The SP all-gathers with graphs: the default (NCCL symmetric windows on the copy engines, symmetric_memory.py)
+    # against the windows with NCCL's symmetric kernels ("-symm", NCCL_CTA_POLICY=0) and NCCL's own buffers
+    # ("-plain"). Eager layers always take NCCL's own buffers (validate_args)
     **{f"{row}-{v}": (2, both, ours + (["--no-tp-symmetric-gathers"] if v == "plain" else []), False)
-       for row, both, ours in (("tp2-sp", TP2, PROFILE), ("tp2-sp-graph", TP2 + ["--enable-cuda-graph"], PROFILE),
+       for row, both, ours in (("tp2-sp-graph", TP2 + ["--enable-cuda-graph"], PROFILE),
                                ("llama-tp2-sp-graph", LLAMA_TP2_SP + ["--enable-cuda-graph"], []))
        for v in ("symm", "plain")},
     "tp2-sp-graph-hp": (2, TP2 + ["--enable-cuda-graph"], [], False),  # NCCL's stream at high priority

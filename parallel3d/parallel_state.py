@@ -256,7 +256,7 @@ def initialize_model_parallel(
     order: str = "tp-dp-pp",
     distributed_timeout_minutes: Optional[float] = None,
     timeout: Optional[datetime.timedelta] = None,
-    tp_symmetric_gathers: Optional[bool] = None,
+    tp_symmetric_gathers: Optional[bool] = False,
     **megatron_keywords: Any,
 ) -> ParallelState:
     """Create the TP/PP/DP/model-parallel/embedding groups and make them the default.
@@ -265,8 +265,9 @@ def initialize_model_parallel(
     is collective over the whole world). ``timeout`` (or Megatron's ``distributed_timeout_minutes``)
     bounds every operation of the new groups; None: torch's default (Megatron's default is 30
     minutes). ``order``: Megatron's order string (:func:`parse_order`). ``tp_symmetric_gathers``: the
-    sequence-parallel all-gathers into NCCL symmetric windows (symmetric_memory.py); None: where available,
-    True: required (refused where unavailable), False: off. Megatron's other keywords
+    sequence-parallel all-gathers into NCCL symmetric windows (symmetric_memory.py): False (default) off,
+    None where available, True required (refused where unavailable); they pay where the layers replay as
+    CUDA graphs, and measured slower with eager layers. Megatron's other keywords
     are accepted where they mean this layout (``context_parallel_size=1``, ...) and refused by name
     otherwise.
     """
@@ -301,7 +302,7 @@ def initialize_model_parallel(
                 groups[kind], mine[kind] = group, ranks
     mine.setdefault("embedding", [])
     sizes = {dim: len(tables[dim][0]) for dim in DIMENSIONS}  # each dimension's size: its own group's
-    symmetric, reason = None, "turned off (tp_symmetric_gathers=False)"
+    symmetric, reason = None, "off"
     if tp_symmetric_gathers is not False:
         reason = symmetric_memory.unavailable_reason(groups.get("tp"))
         if reason is not None and tp_symmetric_gathers:

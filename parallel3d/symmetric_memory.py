@@ -29,6 +29,13 @@ import torch.distributed as dist
 NCCL_ENV_DEFAULTS = {"NCCL_CTA_POLICY": "2"}
 
 
+def gathers_run(asked: bool, sequence_parallel: bool, cuda_graphs: bool) -> bool:
+    """Whether a run's SP all-gathers go into symmetric windows: asked for (not --no-tp-symmetric-gathers),
+    under sequence parallelism, with the layers replayed as CUDA graphs. With eager layers, where the host
+    launches each gather, they measured slower (BENCHMARKS.md, issue 26)."""
+    return asked and sequence_parallel and cuda_graphs
+
+
 def nccl_environment_defaults() -> dict[str, str]:
     """Set ``NCCL_ENV_DEFAULTS`` where the user has not (before init_process_group); return what was set.
     The zero-CTA policy moves only collectives on symmetric windows to the copy engines; others keep NCCL's

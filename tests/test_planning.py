@@ -277,3 +277,20 @@ def test_the_search_offers_cuda_graphs_where_training_can_use_them():
     assert set(graphed) == eager
     with_dropout = dataclasses.replace(GPT_1_3B, hidden_dropout=0.1)
     assert any(layout.enable_cuda_graph for layout in candidates(with_dropout, hopper, 2, base))
+
+
+def test_the_planner_prices_the_copy_engine_gathers_only_where_training_runs_them():
+    """The SP input gathers on the copy engines cost copy_engine_gather_cost of their NCCL time, under SP with
+    graphs (training's rule, symmetric_memory.gathers_run); eager, or turned off, they cost what they did."""
+    cluster = dataclasses.replace(get_cluster("h100-sxm"), copy_engine_gather_cost=0.25)
+    base = Layout(tensor_model_parallel_size=2, sequence_parallel=True, micro_batch_size=4, global_batch_size=16,
+                  enable_cuda_graph=True)
+    on = estimate(GPT_1_3B, base, cluster)
+    off = estimate(GPT_1_3B, dataclasses.replace(base, tp_symmetric_gathers=False), cluster)
+    unpriced = estimate(GPT_1_3B, base, dataclasses.replace(cluster, copy_engine_gather_cost=1.0))
+    assert base.symmetric_gathers and on.tp_comm_s < off.tp_comm_s
+    assert unpriced.tp_comm_s == pytest.approx(off.tp_comm_s)  # on Hopper every input gather was exposed
+    eager = dataclasses.replace(base, enable_cuda_graph=False)
+    assert not eager.symmetric_gathers
+    assert estimate(GPT_1_3B, eager, cluster).tp_comm_s == pytest.approx(
+        estimate(GPT_1_3B, dataclasses.replace(eager, tp_symmetric_gathers=False), cluster).tp_comm_s)

@@ -5,6 +5,7 @@ persistent tensor per shape that every later gather of that shape overwrites, so
 gathered tensor too long (a zero-bubble W reading its input after later layers gathered theirs) would
 train differently from one process. The refusal where windows cannot serve (gloo) is checked too.
 """
+import pytest
 import torch
 
 from gpt_harness import assert_trains_like, full_weights, layout_args, train
@@ -65,11 +66,11 @@ def test_gathers_into_reused_buffers_train_like_a_single_process():
 
 
 def _gloo_choices(rank, world_size):
-    """What initialize_model_parallel does with each tp_symmetric_gathers on gloo ranks."""
+    """What initialize_model_parallel does with each tp_symmetric_gathers on gloo ranks ("default": none given)."""
     seen = {}
-    for choice in (None, False, True):
+    for choice in ("default", None, False, True):
         try:
-            state = ps.initialize_model_parallel(2, tp_symmetric_gathers=choice)
+            state = ps.initialize_model_parallel(2, **({} if choice == "default" else {"tp_symmetric_gathers": choice}))
         except ValueError as e:
             assert not ps.model_parallel_is_initialized(), "a refused layout was left as the default"
             seen[choice] = ("refused", str(e))
@@ -79,11 +80,12 @@ def _gloo_choices(rank, world_size):
     return seen
 
 
-def test_symmetric_gathers_where_available_required_or_off():
+def test_symmetric_gathers_off_by_default_where_available_or_required():
     for seen in run_distributed(_gloo_choices, 2, timeout=60):
-        # the default: on where available, so gloo ranks gather into their own buffers and say why
+        # off unless asked: an embedding user's eager layers are faster with NCCL's own buffers
+        assert seen["default"] == (None, "off") and seen[False] == (None, "off"), seen
+        # where available: gloo ranks gather into their own buffers and say why
         assert seen[None][0] is None and "gloo" in seen[None][1], seen
-        assert seen[False][0] is None and "tp_symmetric_gathers=False" in seen[False][1], seen
         kind, message = seen[True]
         assert kind == "refused" and "tp_symmetric_gathers=True" in message and "gloo" in message, seen
 
@@ -96,12 +98,18 @@ def test_the_training_application_sets_the_copy_engine_policy_unless_the_user_di
     assert "symmetric kernels" in symmetric_memory.describe(ReusedBuffers(), None)
 
 
-def test_the_off_switch_reaches_the_layout():
+@pytest.mark.parametrize("extra, expected", [
+    ([], True),  # TP + SP on NCCL: the layers replay as graphs, the gathers go into symmetric windows
+    (["--no-tp-symmetric-gathers"], False),
+    (["--cuda-graph-impl", "none"], False),  # eager layers: NCCL's own buffers measured faster
+])
+def test_the_training_layout_takes_symmetric_gathers_only_with_graphs(extra, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the arguments of a GPU machine
     from parallel3d.training.arguments import parse_args, validate_args
     from parallel3d.training.training_config import TrainingConfig
 
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--train-iters", "1"]
-    on = TrainingConfig.from_args(validate_args(parse_args(base), 1)).layout
-    off = TrainingConfig.from_args(validate_args(parse_args(base + ["--no-tp-symmetric-gathers"]), 1)).layout
-    assert on.tp_symmetric_gathers and not off.tp_symmetric_gathers
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--train-iters", "1",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--distributed-backend", "nccl"]
+    layout = TrainingConfig.from_args(validate_args(parse_args(argv + extra), 2)).layout
+    assert layout.tp_symmetric_gathers is expected

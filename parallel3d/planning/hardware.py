@@ -113,6 +113,10 @@ class ClusterSpec:
     # Whether a collective beside a GEMM runs during it. Not on Hopper: cuBLAS's persistent GEMMs hold every
     # SM until they end, so NCCL's kernel waits (BENCHMARKS.md, "Tensor parallelism: the link").
     comm_overlaps_gemm: bool = False
+    # What an SP all-gather into NCCL symmetric windows (the copy engines, beside the GEMMs) still costs the
+    # step, as a fraction of its time on NCCL's kernels: it shares the GEMMs' memory bandwidth. 1.0: not
+    # measured here (no gain priced). Fitted from layouts_bench's tp2-sp-graph against tp2-sp-graph-plain.
+    copy_engine_gather_cost: float = 1.0
     notes: str = ""
 
     @property

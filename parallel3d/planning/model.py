@@ -13,6 +13,7 @@ from typing import Optional
 from parallel3d.models.config import (ATTENTION_BACKENDS, TransformerConfig, cuda_graph_blockers,
                                       default_ffn_hidden_size, num_floating_point_operations)
 from parallel3d.pipeline.forward_backward import default_schedule_name
+from parallel3d.symmetric_memory import gathers_run
 from parallel3d.pipeline.registry import (SCHEDULE_NAMES, V_SHAPED, check_schedule_args, placement_of,
                                           splits_backward)
 from parallel3d.tensor_parallel import vocab_size_with_padding
@@ -141,6 +142,7 @@ class Layout:
     pipeline_schedule: Optional[str] = None  # --pipeline-schedule; None: Megatron's 1f1b / interleaved-1f1b
     pipeline_split: str = "balanced"  # --pipeline-split: layers per stage as parallel3d.pipeline.layout splits them
     enable_cuda_graph: bool = False  # --enable-cuda-graph: each layer's launches replayed (the host's share priced)
+    tp_symmetric_gathers: bool = True  # --no-tp-symmetric-gathers: False (they run only with SP and graphs)
 
     def __post_init__(self) -> None:
         if self.pipeline_schedule is not None and self.pipeline_schedule not in SCHEDULE_NAMES:
@@ -165,13 +167,19 @@ class Layout:
             overlap_grad_reduce=bool(args.overlap_grad_reduce), bf16=bool(args.bf16),
             pipeline_schedule=getattr(args, "pipeline_schedule", None),
             pipeline_split=getattr(args, "pipeline_split", "balanced"),
-            enable_cuda_graph=bool(getattr(args, "enable_cuda_graph", False)))
+            enable_cuda_graph=bool(getattr(args, "enable_cuda_graph", False)),
+            tp_symmetric_gathers=bool(getattr(args, "tp_symmetric_gathers", True)))
         fields.update(overrides)
         return cls(**fields)
 
     @property
     def tp(self) -> int:
         return self.tensor_model_parallel_size
+
+    @property
+    def symmetric_gathers(self) -> bool:
+        """Whether the SP all-gathers run in NCCL symmetric windows (training's rule)."""
+        return gathers_run(self.tp_symmetric_gathers, self.sequence_parallel, self.enable_cuda_graph)
 
     @property
     def pp(self) -> int:

@@ -116,7 +116,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--no-tp-symmetric-gathers", dest="tp_symmetric_gathers", action="store_false",
                    help="the sequence-parallel all-gathers into NCCL's own buffers, not symmetric windows "
-                        "(which, where NCCL >= 2.28 has them, run on the copy engines beside the GEMMs)")
+                        "(which, with NCCL >= 2.28 and the layers replayed as CUDA graphs, run on the copy "
+                        "engines beside the GEMMs; eager layers always use NCCL's own buffers)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="start each gradient bucket's all-reduce while backward runs")
