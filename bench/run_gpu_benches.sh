@@ -6,6 +6,8 @@
 #   bash bench/run_gpu_benches.sh nccl-ce          (the same at 16 MiB, and on NCCL symmetric windows with the
 #                                                   zero-CTA policy: the copy-engine all-gather, also from a graph)
 #   LAYOUTS="1gpu pp4-1f1b pp4-zb-h2" bash bench/run_gpu_benches.sh layouts   (bench/layouts_bench.py)
+#   AB_PATCH=x.patch LAYOUTS="tp2-sp-graph" bash bench/run_gpu_benches.sh ab   (the rows before and after
+#                                                   `git apply x.patch`, a branch's diff, in one call: $OUT/before, $OUT/after)
 #   bash bench/run_gpu_benches.sh fp8              (bf16 and FP8 recipes against plain + compile and torchtitan
 #                                                   float8, one GPU per preset; FP8_PRESETS, FP8_GPUS presets at
 #                                                   once, FP8_BUDGET_S seconds in all; FP8_RECIPES; FP8_WITHOUT:
@@ -50,6 +52,9 @@ for what in "$@"; do
                --timeout 150 && BENCH_TIMEOUT=110 python3 bench/validate_planner.py --batches 32 \
                --cluster-file "$OUT/planner_cluster.json" --log-dir "$OUT/logs" --out "$OUT/validate_planner.md" ;;
     layouts) python3 bench/layouts_bench.py --runs ${LAYOUTS:-1gpu tp2-sp} --timeout 110 --out "$OUT" ;;
+    ab) python3 bench/layouts_bench.py --runs $LAYOUTS --timeout 110 --out "$OUT/before" \
+          && git apply "$AB_PATCH" && python3 bench/layouts_bench.py --runs $LAYOUTS --timeout 110 --out "$OUT/after"
+        git apply -R "$AB_PATCH" 2>/dev/null ;;
     fp8) python3 bench/single_gpu_bench.py --fp8 --presets ${FP8_PRESETS:-llama-3b llama-1b gpt-1.3b} \
            ${FP8_RECIPES:+--recipes $FP8_RECIPES} ${FP8_WITHOUT:+--fp8-without $FP8_WITHOUT} \
            --gpus ${FP8_GPUS:-1} --budget-s $(( ${FP8_BUDGET_S:-510} - SECONDS )) ;;
@@ -59,9 +64,11 @@ for what in "$@"; do
               --timeout 110 --out "$OUT" ;;
     fp8-tests) timeout 480 python3 -m pytest -q -rs tests/gpu/test_fp8_speedups.py tests/gpu/test_fp8_parity.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -n 40 ;;
     *) echo "unknown benchmark $what (fused-tests, single, ddp, pipeline, kernels, nccl, planner, layouts, fp8," \
-            "fp8-convergence, fp8-tests, graphs, nccl-ce)"; exit 2 ;;
+            "fp8-convergence, fp8-tests, graphs, nccl-ce, ab)"; exit 2 ;;
   esac
 done
 # At most a few files come back from the device machine: pack the logs into one.
-[ -d "$OUT/logs" ] && tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$OUT/logs"
+for dir in "$OUT" "$OUT/before" "$OUT/after"; do
+  [ -d "$dir/logs" ] && tar czf "$dir/logs.tgz" -C "$dir" logs && rm -r "$dir/logs"
+done
 exit 0
