@@ -155,10 +155,7 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     rank, n = dist.get_rank(), dist.get_world_size()
-    if a.symmetric:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        symm_mem.set_backend("NCCL")
+    if a.symmetric:  # (SymmetricBuffers sets torch's NCCL backend for symmetric memory)
         dist.barrier()  # the communicator must exist before the first rendezvous (as in torch's FSDP)
     gemm_a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     if a.carveouts:  # every GEMM on the path the carveouts need, the baseline included

@@ -12,10 +12,10 @@ and dtype. Stream order keeps the reuse safe: a gather waits for every kernel qu
 them the GEMMs that read the last gather's result. A caller that keeps a gathered tensor alive past its
 layer's backward (a deferred weight gradient) must not take one.
 
-On by default wherever it is available (NCCL >= 2.28, torch with NCCL symmetric memory):
-``initialize_model_parallel(tp_symmetric_gathers=False)`` or ``--no-tp-symmetric-gathers`` turns it off.
-The training application sets ``NCCL_CTA_POLICY=2`` where the user has not (``nccl_environment_defaults``);
-with another policy the windows still take NCCL's symmetric kernels (BENCHMARKS.md, issue 26).
+The training application uses them under SP with CUDA graphs, where NCCL has them (``gathers_run``;
+``--no-tp-symmetric-gathers`` turns them off), and sets ``NCCL_CTA_POLICY=2`` where the user has not
+(``nccl_environment_defaults``); with another policy the windows still take NCCL's symmetric kernels.
+``initialize_model_parallel(tp_symmetric_gathers=None)`` asks for them from the API (BENCHMARKS.md, issue 26).
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 which runs beside a GEMM in backward: the sequence-parallel input's all-gather beside the input-gradient
 GEMM, the input gradient's reduce beside the weight-gradient GEMM.
 
-Where the TP group has symmetric-window buffers (the default where NCCL has them, symmetric_memory.py),
-the sequence-parallel all-gathers go into them, on the copy engines, and the forward's GEMM is split by
-source rank so that this rank's rows run while the all-gather brings the others'. The forward's
+Where the TP group has symmetric-window buffers (training's default under SP with CUDA graphs,
+symmetric_memory.py), the sequence-parallel all-gathers go into them, on the copy engines, and the
+forward's GEMM is split by source rank so that this rank's rows run while the all-gather brings the
+others'. The forward's
 reduce-scatter stays exposed: pipelining it against pieces of the GEMM (torch's symmetric-memory
 ``fused_matmul_reduce_scatter``, tried as ``--tp-comm-overlap``) measured 0.54-0.80x on 4 x H100
 (BENCHMARKS.md, "TP communication overlap").
@@ -26,9 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import parallel_state
-from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
+from ..collectives import reduce_scatter_tensor
 from . import wgrad_store
 from .fp8 import Fp8Scaling
+from .mappings import gather_first_dim
 from .utils import group_rank_and_size, resolve_tp_group, tp_collective
 
 
@@ -67,28 +69,6 @@ def _2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.size(-1))
 
 
-def _gather_input(x: torch.Tensor, group, keep: bool, async_op: bool = False, buffers=None):
-    """The sequence-parallel input gathered along dim 0: (total_x, handle or None).
-
-    Into the TP group's symmetric-window buffer where the run has them (parallel_state.tp_symmetric_buffers;
-    NCCL may then copy on the copy engines), in place: this rank's shard copied into its slot first. ``keep``:
-    the caller holds total_x beyond this layer's backward (a deferred or FP8 weight gradient), so it gets a
-    tensor of its own."""
-    rank, size = group_rank_and_size(group)
-    shape = (size * x.size(0),) + tuple(x.shape[1:])
-    if buffers is None and not keep:
-        buffers = parallel_state.tp_symmetric_buffers(group)
-    if buffers is None:
-        total_x = torch.empty(shape, dtype=x.dtype, device=x.device)
-        shard = x.contiguous()
-    else:
-        total_x = buffers.get(shape, x.dtype, x.device)
-        shard = total_x[rank * x.size(0):(rank + 1) * x.size(0)]
-        shard.copy_(x)
-    handle = all_gather_into_tensor(total_x, shard, group=group, async_op=async_op)
-    return total_x, handle
-
-
 def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
     """out = x W^T (+ b), written into ``out`` (a contiguous block of rows), the bias in the GEMM's epilogue."""
     if bias is None:
@@ -105,7 +85,7 @@ def _linear_beside_gather(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     rank, size = group_rank_and_size(group)
     n = x.size(0)
     with tp_collective("all-gather of the sequence-parallel input", group):
-        total_x, handle = _gather_input(x, group, keep=False, async_op=True, buffers=buffers)
+        total_x, handle = gather_first_dim(x, group, keep=False, async_op=True, buffers=buffers)
         out = torch.empty(total_x.shape[:-1] + (weight.size(0),), dtype=x.dtype, device=x.device)
         _linear_into(out[rank * n:(rank + 1) * n], x, weight, bias)
         handle.wait()
@@ -143,7 +123,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             if buffers is not None and fp8 is None:
                 return _linear_beside_gather(x, weight, bias, group, buffers)
             with tp_collective("all-gather of the sequence-parallel input", group):
-                total_x, _ = _gather_input(x, group, keep=True)
+                total_x, _ = gather_first_dim(x, group, keep=True)
         # F.linear, not matmul then "+ bias": cuBLAS adds the bias in the GEMM's epilogue. The separate
         # broadcast add was a 13 ms kernel of a GPT-1.3B step on one H100 (the QKV bias, 2.4%).
         if fp8 is None:
@@ -160,7 +140,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if ctx.sequence_parallel and size > 1:  # the input's gather (for wgrad) runs beside the dgrad GEMM
             # a zero-bubble W or the FP8 wgrad reads total_x later: never a reused buffer for them
             keep = ctx.fp8 is not None or getattr(weight, "defer_wgrad_into", None) is not None
-            total_x, handle = _gather_input(x, group, keep, async_op=True)
+            total_x, handle = gather_first_dim(x, group, keep, async_op=True)
         if ctx.fp8 is None:
             grad_input = grad_output.matmul(weight)
         else:

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .. import parallel_state
 from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .utils import group_rank_and_size, resolve_tp_group, tp_collective
 
@@ -39,13 +40,33 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     _, size = group_rank_and_size(group)
     if size == 1:
         return x
-    x = x.contiguous()
     # all_gather_into_tensor concatenates along dim 0; move the dim there and back.
     moved = x.movedim(dim, 0).contiguous()
-    out = torch.empty((size * moved.size(0),) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
     with tp_collective("all-gather", group):
-        all_gather_into_tensor(out, moved, group=group)
+        out, _ = gather_first_dim(moved, group, keep=True)
     return out.movedim(0, dim).contiguous()
+
+
+def gather_first_dim(x: torch.Tensor, group, keep: bool, async_op: bool = False, buffers=None):
+    """``x`` gathered along dim 0 over ``group``: (total_x, handle or None).
+
+    Into the TP group's symmetric-window buffer where the run has them (parallel_state.tp_symmetric_buffers;
+    NCCL may then copy on the copy engines), in place: this rank's shard copied into its slot first. ``keep``:
+    the caller holds total_x beyond this layer's backward (a deferred or FP8 weight gradient), so it gets a
+    tensor of its own."""
+    rank, size = group_rank_and_size(group)
+    shape = (size * x.size(0),) + tuple(x.shape[1:])
+    if buffers is None and not keep:
+        buffers = parallel_state.tp_symmetric_buffers(group)
+    if buffers is None:
+        total_x = torch.empty(shape, dtype=x.dtype, device=x.device)
+        shard = x.contiguous()
+    else:
+        total_x = buffers.get(shape, x.dtype, x.device)
+        shard = total_x[rank * x.size(0):(rank + 1) * x.size(0)]
+        shard.copy_(x)
+    handle = all_gather_into_tensor(total_x, shard, group=group, async_op=async_op)
+    return total_x, handle
 
 
 def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
@@ -170,8 +191,4 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Optional[
 
 
 # The raw collectives, for the linear layers' own autograd function.
-def gather_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    return _gather(x, 0, group)
-
-
 all_reduce = _all_reduce
