@@ -19,7 +19,9 @@ The training application uses them under SP with CUDA graphs, where NCCL has the
 """
 from __future__ import annotations
 
+import gc
 import os
+import time
 from typing import Optional
 
 import torch
@@ -104,9 +106,30 @@ class SymmetricBuffers:
             self._buffers[key] = buffer
         return buffer
 
-    def release(self) -> None:
+    def release(self, wait_s: float = 5.0) -> None:
         """Free every buffer, deregistering its window: before the group is destroyed, after the GPU is done
-        with them (the last gathers may still run)."""
+        with them (the last gathers may still run). A window still viewed elsewhere (a finished gather's work
+        object that NCCL's watchdog thread has not dropped yet, an autograd cycle) would be freed later,
+        through the destroyed communicator (a worker's segfault at exit, 2 x H200): wait up to ``wait_s``
+        for those views to go, and name any that stay."""
         if self._buffers:
             torch.cuda.synchronize()
+            deadline = time.monotonic() + wait_s
+            while viewed_elsewhere(self._buffers) and time.monotonic() < deadline:
+                gc.collect()
+                time.sleep(0.01)
+            held = viewed_elsewhere(self._buffers)
+            if held:
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                print(f"warning: rank {rank}: symmetric all-gather windows {held} are still viewed after "
+                      f"{wait_s:.0f} s; they will be freed after the TP group is destroyed", flush=True)
         self._buffers.clear()
+
+
+def viewed_elsewhere(buffers: dict) -> list:
+    """The keys of ``buffers`` whose storage another tensor (a view, a saved tensor) still holds."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:  # a torch without it: nothing to wait for that we could see
+        return []
+    # the count includes the buffer itself and the temporary storage object made to ask
+    return [key[0] for key, t in buffers.items() if use_count(t.untyped_storage()._cdata) > 2]

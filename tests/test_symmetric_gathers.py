@@ -113,3 +113,16 @@ def test_the_training_layout_takes_symmetric_gathers_only_with_graphs(extra, exp
             "--tensor-model-parallel-size", "2", "--sequence-parallel", "--distributed-backend", "nccl"]
     layout = TrainingConfig.from_args(validate_args(parse_args(argv + extra), 2)).layout
     assert layout.tp_symmetric_gathers is expected
+
+
+def test_release_sees_a_window_still_viewed_elsewhere():
+    """release() waits for, and names, a buffer that a view still holds: freed later, its window would be
+    deregistered through a destroyed communicator."""
+    from parallel3d.symmetric_memory import viewed_elsewhere
+
+    buffers = {((4, 2), torch.float32, "cpu"): torch.zeros(4, 2), ((8,), torch.float32, "cpu"): torch.zeros(8)}
+    assert viewed_elsewhere(buffers) == []
+    shard = buffers[((4, 2), torch.float32, "cpu")][2:]
+    assert viewed_elsewhere(buffers) == [(4, 2)]
+    del shard
+    assert viewed_elsewhere(buffers) == []
