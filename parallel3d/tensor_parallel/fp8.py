@@ -119,8 +119,8 @@ class Fp8Recipe:
                      "updated once per step)")
         text += ", wgrad in FP8" if self.wgrad else ", wgrad in high precision"
         # Said where the user reads it: this path is correct but measured slower than our bf16 so far.
-        return text + ("; output layer and embeddings in high precision. Not yet faster than bf16 (faster than "
-                       "torchtitan's float8): see BENCHMARKS.md, 'FP8 on one H100'")
+        return text + ("; output layer and embeddings in high precision. Little faster than bf16 so far (the "
+                       "eager FP8 step waits on the host): see BENCHMARKS.md, 'FP8 on one H100'")
 
 
 # Which dimension of each 2D operand is split over TP: [partition_dim][role]. A column-parallel
