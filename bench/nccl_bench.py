@@ -101,13 +101,16 @@ def symmetric_rows(mib: float, numel: int, n: int, gemm, iters: int, warmup: int
     own_window = windows.get((numel // n,), torch.bfloat16, full.device).normal_()
     reference = torch.empty_like(full)
     plain_shard = torch.empty_like(shard, memory_format=torch.contiguous_format).normal_()
+    # Each on NCCL's stream, waited for, as training issues them: a synchronous collective runs on the
+    # caller's stream (torch >= 2.8), the legacy default stream here, which the copy-engine path's
+    # cuMemcpyBatchAsync rejects (the "invalid argument" of this bench's first runs, 2 x H200)
     ops = {
-        "all_gather": lambda: all_gather_into_tensor(full, shard),
-        # the input in a window of its own (this failed with NCCL's "invalid argument", 2 x H200)
-        "all_gather 2win": lambda: all_gather_into_tensor(full, own_window),
+        "all_gather": lambda: all_gather_into_tensor(full, shard, async_op=True).wait(),
+        # the input in a window of its own
+        "all_gather 2win": lambda: all_gather_into_tensor(full, own_window, async_op=True).wait(),
         # the output alone in a window (the input an ordinary tensor)
-        "all_gather out": lambda: all_gather_into_tensor(full, plain_shard),
-        "reduce_scatter": lambda: reduce_scatter_tensor(plain_shard, full),
+        "all_gather out": lambda: all_gather_into_tensor(full, plain_shard, async_op=True).wait(),
+        "reduce_scatter": lambda: reduce_scatter_tensor(plain_shard, full, async_op=True).wait(),
     }
     inputs = {"all_gather": shard, "all_gather 2win": own_window, "all_gather out": plain_shard}
     rows = []
