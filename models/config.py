@@ -27,6 +27,7 @@ from parallel3d.parallel_state import check_virtual_pipeline_size
 from parallel3d.pipeline.layout import layers_per_virtual_stage
 from parallel3d.tensor_parallel import vocab_size_with_padding
 from parallel3d.tensor_parallel.fp8 import Fp8Recipe
+from parallel3d.tensor_parallel.random import GRAPH_SAFE_RNG  # dropout inside CUDA graphs needs it
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -70,10 +71,6 @@ def num_floating_point_operations(*, batch_size: int, seq_length: int, num_layer
     g = 3 if swiglu else 2
     return (6 * batch_size * s * (L * (h * (q + 2 * k) + q * h + g * h * ffn_hidden_size) + h * padded_vocab_size)
             + 6 * batch_size * s * s * L * q)
-
-
-# Dropout inside a CUDA graph needs generator states a graph can register (Generator.graphsafe_set_state)
-GRAPH_SAFE_RNG = hasattr(torch.Generator, "graphsafe_set_state")
 
 
 def cuda_graph_blockers(hidden_dropout: float, attention_dropout: float = 0.0,

@@ -52,9 +52,14 @@ def _manual_seed(seed: int) -> None:
         torch.manual_seed(seed)
 
 
+# Generator state objects a CUDA graph can register (torch >= 2.5): dropout can then run inside graphs
+GRAPH_SAFE_RNG = hasattr(torch.Generator, "graphsafe_set_state")
+
+
 def _live_states() -> bool:
-    """Whether tracked streams are generator state objects (CUDA) rather than snapshots (CPU)."""
-    return _use_cuda()
+    """Whether tracked streams are generator state objects (CUDA, where torch has them) rather than snapshots
+    (the CPU, or an older torch)."""
+    return _use_cuda() and GRAPH_SAFE_RNG
 
 
 def _cuda_generator() -> torch.Generator:
