@@ -128,16 +128,14 @@ def symmetric_rows(mib: float, numel: int, n: int, gemm, iters: int, warmup: int
                 row["equal"] = bool(torch.equal(full, reference))
             rows.append(row)
 
-    for name, fn in ops.items():
+    # each made when its turn comes, the graph last: a failed capture leaves the eager rows measured
+    makers = [(name, lambda fn=fn: fn) for name, fn in ops.items()]
+    makers.append(("all_gather graph", lambda: graphed(ops["all_gather"])))
+    for name, make in makers:
         try:
-            measure(name, fn)
+            measure(name, make())
         except Exception as e:  # noqa: BLE001 - reported as the row's result
             rows.append({"op": name, "size_mib": mib, "where": "symmetric", "error": str(e)[:300]})
-    # the graph last: a failed capture leaves the eager rows measured
-    try:
-        measure("all_gather graph", graphed(ops["all_gather"]))
-    except Exception as e:  # noqa: BLE001 - reported as the row's result
-        rows.append({"op": "all_gather graph", "size_mib": mib, "where": "symmetric", "error": str(e)[:300]})
     windows.release()
     return rows
 
