@@ -81,11 +81,18 @@ class SymmetricBuffers:
         self.group = group
         self._symm_mem = symm_mem
         self._buffers: dict[tuple, torch.Tensor] = {}
+        device = torch.device("cuda", torch.cuda.current_device())
         try:
             symm_mem.set_backend("NCCL")
         except Exception:  # fixed once the process has allocated symmetric memory: fine where it is NCCL already
-            if symm_mem.get_backend(torch.device("cuda", torch.cuda.current_device())) != "NCCL":
+            if symm_mem.get_backend(device) != "NCCL":
                 raise
+        # torch's NCCL rendezvous registers a window on the group's communicator, which NCCL creates at the
+        # group's first collective; before that it registers on a null one and the process segfaults. On a
+        # later pipeline stage the first TP collective is a gather into a window (4 x H200, TP=2 x PP=2 with
+        # graphs). One collective here, on every rank of the group (we are built in
+        # initialize_model_parallel), creates the communicator first.
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The persistent buffer of this shape; the first call for a shape is collective over the group."""

@@ -126,3 +126,24 @@ def test_release_sees_a_window_still_viewed_elsewhere():
     assert viewed_elsewhere(buffers) == [(4, 2)]
     del shard
     assert viewed_elsewhere(buffers) == []
+
+
+def test_windows_create_the_group_communicator_before_any_rendezvous(monkeypatch):
+    """SymmetricBuffers issues a collective on its group when built, before any window is registered: NCCL
+    creates a group's communicator lazily, at its first collective, and torch's rendezvous registers the
+    window on whatever communicator the group has (a null one segfaulted the last pipeline stage, whose first
+    TP collective was a gather into a window)."""
+    import types
+
+    events = []
+    fake = types.SimpleNamespace(set_backend=lambda name: events.append(("set_backend", name)),
+                                 get_backend=lambda device: "NCCL")
+    monkeypatch.setitem(__import__("sys").modules, "torch.distributed._symmetric_memory", fake)
+    monkeypatch.setattr(torch.distributed, "_symmetric_memory", fake, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: ("tensor", k.get("device")))
+    group = object()
+    monkeypatch.setattr(torch.distributed, "all_reduce",
+                        lambda t, group=None: events.append(("all_reduce", t[1], group)))
+    symmetric_memory.SymmetricBuffers(group)
+    assert ("all_reduce", torch.device("cuda", 0), group) in events, f"no collective on the group: {events}"
