@@ -54,6 +54,20 @@ def test_convergence_corpus_is_byte_tokens_of_its_documents(tmp_path):
     assert 0.05 * 2 ** 20 <= info["tokens"] < 0.05 * 2 ** 20 + max(len(data[i]) for i in range(len(data)))
 
 
+def test_convergence_refuses_a_run_that_would_repeat_its_data():
+    """The first 2,000-step run read a 10.7 M-token corpus 2.3 times (memorisation, not convergence): refused
+    before training, naming the fix; the Python-source corpus on the GPU machine (about 54 M tokens) is enough."""
+    import argparse
+
+    a = argparse.Namespace(train_iters=2000, global_batch_size=24, cpu_smoke=False)
+    with pytest.raises(SystemExit, match="would repeat it. Use --corpus python"):
+        fp8_convergence.check_no_repeat(a, {"corpus": "stdlib", "tokens": 10_670_833})
+    fp8_convergence.check_no_repeat(a, {"corpus": "python", "tokens": 54_000_000})
+    args = fp8_convergence.train_args(argparse.Namespace(**vars(a), micro_batch_size=24, lr=6e-4, seed=1,
+                                                         log_interval=50, eval_interval=500), "p", "log.json")
+    assert args[args.index("--split") + 1] == "95,5,0"
+
+
 def test_convergence_verdict_compares_the_last_interval_both_runs_logged():
     result = {"runs": {"bf16": {"train_loss": {"50": 3.0, "100": 2.0}},
                        "fp8 tensorwise": {"train_loss": {"50": 3.01, "100": 2.03}},
