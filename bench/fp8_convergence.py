@@ -61,7 +61,9 @@ def python_files(top: str) -> list[str]:
 
 
 def build_corpus(corpus: str, data_dir: str, max_mb: float) -> tuple[str, dict]:
-    """(dataset prefix, what it holds): one document per file (stdlib) or paragraph (pydoc), byte tokens."""
+    """(dataset prefix, what it holds): one document per file (python, stdlib) or paragraph (pydoc), byte tokens."""
+    import torch
+
     from parallel3d.data import IndexedDatasetBuilder, best_fitting_dtype, build_tokenizer
 
     tokenizer = build_tokenizer("byte")
@@ -70,8 +72,6 @@ def build_corpus(corpus: str, data_dir: str, max_mb: float) -> tuple[str, dict]:
     if os.path.exists(prefix + ".idx") and os.path.exists(info_path):
         return prefix, json.load(open(info_path))
     if corpus in ("stdlib", "python"):
-        import torch
-
         files = stdlib_files() + (python_files(os.path.dirname(torch.__file__)) if corpus == "python" else [])
         texts = (open(p, encoding="utf-8", errors="replace").read() for p in files)
     else:
@@ -87,8 +87,6 @@ def build_corpus(corpus: str, data_dir: str, max_mb: float) -> tuple[str, dict]:
         if tokens >= max_mb * 2 ** 20:
             break
     builder.finalize(prefix + ".idx")
-    import torch
-
     info = {"corpus": corpus, "documents": documents, "tokens": tokens, "python": sys.version.split()[0],
             "torch": torch.__version__}
     with open(info_path, "w") as f:
