@@ -35,6 +35,17 @@ __device__ __forceinline__ float scale_from(float s, float fp8_max, bool from_am
   return a != a ? s : __double2float_rn(__ddiv_rn(static_cast<double>(fp8_max), a > 1e-12 ? a : 1e-12));
 }
 
+// v clamped to +-fp8_max, NaN kept (the saturating cast's input).
+__device__ __forceinline__ float clamp_fp8(float v, float fp8_max) {
+  return v != v ? v : fminf(fmaxf(v, -fp8_max), fp8_max);
+}
+
+// One scale and the reciprocal torch._scaled_mm takes (scale_out only where the cast made the scale).
+__device__ __forceinline__ void store_scale(float* scale_out, float* scale_inv_out, int64_t i, float sc) {
+  if (scale_out != nullptr) scale_out[i] = sc;
+  scale_inv_out[i] = __frcp_rn(sc);
+}
+
 template <typename T, typename F8>
 __global__ void fp8_cast_kernel(const T* __restrict__ x, const float* __restrict__ s, F8* __restrict__ row,
                                 F8* __restrict__ col, float* __restrict__ scale_out,
@@ -52,9 +63,7 @@ __global__ void fp8_cast_kernel(const T* __restrict__ x, const float* __restrict
     if (m >= M || n >= N) continue;
     const float sc = mode == kTensor ? tensor_scale
                      : mode == kPerRow ? scale_from(s[m], fp8_max, from_amax) : col_scale;
-    float v = static_cast<float>(x[m * N + n]) * sc;
-    v = v != v ? v : fminf(fmaxf(v, -fp8_max), fp8_max);
-    const F8 q(v);
+    const F8 q(clamp_fp8(static_cast<float>(x[m * N + n]) * sc, fp8_max));
     if (row != nullptr) row[m * N + n] = q;
     if (col != nullptr) tile[ty + i][tx] = q;
   }
@@ -69,19 +78,13 @@ __global__ void fp8_cast_kernel(const T* __restrict__ x, const float* __restrict
   // The scales (scale_out only where made here), one thread per value: the first tile row or
   // column of blocks writes them.
   if (mode == kTensor && blockIdx.x == 0 && blockIdx.y == 0 && tx == 0 && ty == 0) {
-    if (scale_out != nullptr) scale_out[0] = tensor_scale;
-    scale_inv_out[0] = __frcp_rn(tensor_scale);
+    store_scale(scale_out, scale_inv_out, 0, tensor_scale);
   } else if (mode == kPerCol && blockIdx.y == 0 && ty == 0 && n < N) {
-    if (scale_out != nullptr) scale_out[n] = col_scale;
-    scale_inv_out[n] = __frcp_rn(col_scale);
+    store_scale(scale_out, scale_inv_out, n, col_scale);
   } else if (mode == kPerRow && blockIdx.x == 0 && tx == 0) {
     for (int i = ty; i < kTile; i += kRowsPerPass) {
       const int64_t m = m0 + i;
-      if (m < M) {
-        const float sc = scale_from(s[m], fp8_max, from_amax);
-        if (scale_out != nullptr) scale_out[m] = sc;
-        scale_inv_out[m] = __frcp_rn(sc);
-      }
+      if (m < M) store_scale(scale_out, scale_inv_out, m, scale_from(s[m], fp8_max, from_amax));
     }
   }
 }
@@ -118,10 +121,9 @@ __global__ void __launch_bounds__(kVecThreads)
     uint32_t q[2];
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
-      float a = static_cast<float>(in.v[j]) * (mode == kPerCol ? col_scale[j] : row_scale);
-      float b = static_cast<float>(in.v[j + 1]) * (mode == kPerCol ? col_scale[j + 1] : row_scale);
-      a = a != a ? a : fminf(fmaxf(a, -fp8_max), fp8_max);
-      b = b != b ? b : fminf(fmaxf(b, -fp8_max), fp8_max);
+      const float a = clamp_fp8(static_cast<float>(in.v[j]) * (mode == kPerCol ? col_scale[j] : row_scale), fp8_max);
+      const float b =
+          clamp_fp8(static_cast<float>(in.v[j + 1]) * (mode == kPerCol ? col_scale[j + 1] : row_scale), fp8_max);
       const uint32_t pair = fp8_pair<F8>(a, b);
       if (j % 4 == 0) q[j / 4] = pair; else q[j / 4] |= pair << 16;
     }
@@ -146,16 +148,11 @@ __global__ void __launch_bounds__(kVecThreads)
   // The scales (scale_out only where made here), one thread per value: the first tile row or
   // column of blocks writes them.
   if (mode == kTensor && blockIdx.x == 0 && blockIdx.y == 0 && t == 0) {
-    if (scale_out != nullptr) scale_out[0] = tensor_scale;
-    scale_inv_out[0] = __frcp_rn(tensor_scale);
+    store_scale(scale_out, scale_inv_out, 0, tensor_scale);
   } else if (mode == kPerCol && blockIdx.y == 0 && t < kVecTile) {
-    const float sc = scale_from(s[n0 + t], fp8_max, from_amax);
-    if (scale_out != nullptr) scale_out[n0 + t] = sc;
-    scale_inv_out[n0 + t] = __frcp_rn(sc);
+    store_scale(scale_out, scale_inv_out, n0 + t, scale_from(s[n0 + t], fp8_max, from_amax));
   } else if (mode == kPerRow && blockIdx.x == 0 && t < kVecTile) {
-    const float sc = scale_from(s[m0 + t], fp8_max, from_amax);
-    if (scale_out != nullptr) scale_out[m0 + t] = sc;
-    scale_inv_out[m0 + t] = __frcp_rn(sc);
+    store_scale(scale_out, scale_inv_out, m0 + t, scale_from(s[m0 + t], fp8_max, from_amax));
   }
 }
 
