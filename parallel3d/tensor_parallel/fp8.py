@@ -118,7 +118,7 @@ class Fp8Recipe:
             text += (f" (amax history {self.amax_history_len}, {self.amax_compute_algo}, margin {self.margin}, "
                      "updated once per step)")
         text += ", wgrad in FP8" if self.wgrad else ", wgrad in high precision"
-        # Said where the user reads it: this path is correct but measured slower than our bf16 so far.
+        # Said where the user reads it: correct, but its gain over our bf16 follows the host's speed so far.
         return text + ("; output layer and embeddings in high precision. Little faster than bf16 so far (the "
                        "eager FP8 step waits on the host): see BENCHMARKS.md, 'FP8 on one H100'")
 
