@@ -94,9 +94,10 @@ class SymmetricBuffers:
         # initialize_model_parallel), creates the communicator first.
         dist.all_reduce(torch.zeros(1, device=device), group=group)
 
-    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The persistent buffer of this shape; the first call for a shape is collective over the group."""
-        key = (tuple(shape), dtype, device)
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, tag: str = "") -> torch.Tensor:
+        """The persistent buffer of this shape (and ``tag``: a second buffer of one shape, for a collective
+        that reads one window and writes another); the first call for a key is collective over the group."""
+        key = (tuple(shape), dtype, device, tag)
         buffer = self._buffers.get(key)
         if buffer is None:
             if torch.cuda.is_current_stream_capturing():

@@ -14,11 +14,12 @@ from parallel3d import symmetric_memory
 from parallel3d.testing import run_distributed
 
 # (family, TP, PP, V, SP, extra flags) on 4 ranks: TP+SP alone, with a deferred W (ZB-H1) and ZeRO-1,
-# interleaved with DP overlap
+# interleaved with DP overlap, and TP=4 (the row-parallel reduce-scatter as an all-to-all, not an all-gather)
 LAYOUTS = [
     ("gpt2", 2, 1, 1, True, []),
     ("gpt2", 2, 2, 1, True, ["--pipeline-schedule", "zb-h1", "--use-distributed-optimizer"]),
     ("llama", 2, 2, 2, True, ["--overlap-grad-reduce"]),
+    ("gpt2", 4, 1, 1, True, []),
 ]
 
 
@@ -28,9 +29,9 @@ class ReusedBuffers:
     def __init__(self):
         self.buffers, self.gets = {}, 0
 
-    def get(self, shape, dtype, device):
+    def get(self, shape, dtype, device, tag=""):
         self.gets += 1
-        key = (tuple(shape), dtype, device)
+        key = (tuple(shape), dtype, device, tag)
         if key not in self.buffers:
             self.buffers[key] = torch.full(shape, float("nan"), dtype=dtype, device=device)
         return self.buffers[key]
@@ -40,19 +41,43 @@ class ReusedBuffers:
 
 
 def _sweep(rank, world_size, refs):
-    done = []
-    for family, tp, pp, vp, sp, extra in LAYOUTS:
-        args = layout_args(family, tp, pp, vp, sp, extra, world=world_size)
-        state = ps.initialize_model_parallel(tp, pp, args.virtual_pipeline_model_parallel_size)
-        state.tp_symmetric_buffers = buffers = ReusedBuffers()
-        where = f"[{family} TP={tp} PP={pp} V={vp} SP={sp} {' '.join(extra)}]"
-        try:
-            result = train(args)
-            assert buffers.gets > 0, f"{where}: no all-gather took a reused buffer"
-            assert_trains_like(result, refs[family], where)
-        finally:
-            ps.destroy_model_parallel()
-        done.append(where)
+    from parallel3d.tensor_parallel import linear_functions as lf
+
+    done, calls = [], {}
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            result = fn(*a, **k)
+            if name != "gather_output_grad" or result[1] is not None:  # a gradient gather with its dgrad beside
+                calls[name] = calls.get(name, 0) + 1
+            return result
+        return wrapped
+
+    originals = {name: getattr(lf, "_" + name) for name in ("linear_reduce_scatter", "gather_output_grad")}
+    for name, fn in originals.items():
+        setattr(lf, "_" + name, counting(name, fn))
+    try:
+        for family, tp, pp, vp, sp, extra in LAYOUTS:
+            args = layout_args(family, tp, pp, vp, sp, extra, world=world_size)
+            state = ps.initialize_model_parallel(tp, pp, args.virtual_pipeline_model_parallel_size)
+            state.tp_symmetric_buffers = buffers = ReusedBuffers()
+            where = f"[{family} TP={tp} PP={pp} V={vp} SP={sp} {' '.join(extra)}]"
+            calls.clear()
+            try:
+                result = train(args)
+                assert buffers.gets > 0, f"{where}: no all-gather took a reused buffer"
+                assert calls.get("linear_reduce_scatter"), f"{where}: no row-parallel reduce-scatter beside its GEMM"
+                if "zb-h1" not in extra:  # a deferred W reads the gathered gradient later: a tensor of its own
+                    assert calls.get("gather_output_grad"), f"{where}: no gradient gather beside its dgrad"
+                assert (tp > 2) == any(key[3] == "send" for key in buffers.buffers), \
+                    f"{where}: the reduce-scatter's exchange is an all-to-all exactly above TP=2"
+                assert_trains_like(result, refs[family], where)
+            finally:
+                ps.destroy_model_parallel()
+            done.append(where)
+    finally:
+        for name, fn in originals.items():
+            setattr(lf, "_" + name, fn)
     return done
 
 

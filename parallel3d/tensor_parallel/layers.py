@@ -245,13 +245,12 @@ class RowParallelLinear(_ParallelLinear):
     @torch.compiler.disable  # eager: see _ParallelLinear
     def forward(self, x: torch.Tensor):
         x_parallel = x if self.input_is_parallel else scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        # under SP the reduce-scatter is the linear's own, split beside its GEMM (linear_functions.py)
         out = linear_with_grad_accumulation_and_async_allreduce(
             x_parallel, self.weight, None, self.gradient_accumulation_fusion, False, False, self.tp_group,
-            self.fp8_scaling,
+            self.fp8_scaling, reduce_scatter_output=self.sequence_parallel,
         )
-        if self.sequence_parallel:
-            out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
-        else:
+        if not self.sequence_parallel:
             out = reduce_from_tensor_model_parallel_region(out, self.tp_group)
         if self.skip_bias_add or self.bias is None:
             return out, (self.bias if self.skip_bias_add else None)

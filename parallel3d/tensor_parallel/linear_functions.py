@@ -5,10 +5,11 @@ GEMM, the input gradient's reduce beside the weight-gradient GEMM.
 Where the TP group has symmetric-window buffers (training's default under SP with CUDA graphs,
 symmetric_memory.py), the sequence-parallel all-gathers go into them, on the copy engines, and the
 forward's GEMM is split by source rank so that this rank's rows run while the all-gather brings the
-others'. The forward's
-reduce-scatter stays exposed: pipelining it against pieces of the GEMM (torch's symmetric-memory
-``fused_matmul_reduce_scatter``, tried as ``--tp-comm-overlap``) measured 0.54-0.80x on 4 x H100
-(BENCHMARKS.md, "TP communication overlap").
+others'. The row-parallel linear's reduce-scatter (``reduce_scatter_output``) is split the other way: the
+rows the other ranks own are computed first and sent (an exchange in the windows, on the copy engines)
+while this rank's own rows run; its backward gathers the output gradient beside the input-gradient GEMM
+of this rank's rows. (torch's symmetric-memory ``fused_matmul_reduce_scatter``, whose transfers are SM
+kernels, measured 0.54-0.80x on 4 x H100: BENCHMARKS.md, "TP communication overlap".)
 
 The weight gradient goes through ``weight_gradient``: deferred to a zero-bubble W, fused into
 ``main_grad``, or returned to autograd.
@@ -27,10 +28,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import parallel_state
-from ..collectives import reduce_scatter_tensor
+from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
 from . import wgrad_store
 from .fp8 import Fp8Scaling
-from .mappings import gather_first_dim
+from .mappings import _reduce_scatter_first_dim, gather_first_dim
 from .utils import group_rank_and_size, resolve_tp_group, tp_collective
 
 
@@ -78,10 +79,10 @@ def _linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
 
 
 def _linear_beside_gather(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-                          buffers) -> torch.Tensor:
-    """F.linear of the gathered sequence-parallel input with its GEMM split by source rank: this rank's rows
-    run while the others' rows arrive. A copy-engine all-gather needs no SMs, so it runs beside that GEMM;
-    row by row the product is the unsplit one's."""
+                          buffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear of the gathered sequence-parallel input, the gathered input), the GEMM split by source rank:
+    this rank's rows run while the others' rows arrive. A copy-engine all-gather needs no SMs, so it runs
+    beside that GEMM; row by row the product is the unsplit one's."""
     rank, size = group_rank_and_size(group)
     n = x.size(0)
     with tp_collective("all-gather of the sequence-parallel input", group):
@@ -92,7 +93,55 @@ def _linear_beside_gather(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     for r in range(size):
         if r != rank:
             _linear_into(out[r * n:(r + 1) * n], total_x[r * n:(r + 1) * n], weight, bias)
+    return out, total_x
+
+
+def _linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, buffers) -> torch.Tensor:
+    """reduce_scatter(x W^T) along dim 0 with the GEMM split by destination rank: the rows the other ranks
+    own first, straight into a symmetric window, then an exchange of those partial sums on the copy engines
+    while this rank's own rows run; the received partials are added last. At TP=2 the exchange is an
+    all-gather of the one piece the peer needs (NCCL's copy-engine all-gather); above, an all-to-all."""
+    rank, size = group_rank_and_size(group)
+    if x.size(0) % size != 0:
+        raise ValueError(f"sequence length {x.size(0)} is not divisible by the TP size {size}")
+    n = x.size(0) // size
+    shape = (x.size(0),) + tuple(x.shape[1:-1]) + (weight.size(0),)
+    rows = [slice(r * n, (r + 1) * n) for r in range(size)]
+    with tp_collective("reduce-scatter of the row-parallel output", group):
+        if size == 2:
+            peer = 1 - rank
+            sent = buffers.get(shape, x.dtype, x.device)
+            _linear_into(sent[rows[rank]], x[rows[peer]], weight, None)  # my partial of the peer's rows
+            handle = all_gather_into_tensor(sent, sent[rows[rank]], group=group, async_op=True)
+            received = [sent[rows[peer]]]
+        else:
+            sent = buffers.get(shape, x.dtype, x.device, tag="send")
+            for r in range(size):
+                if r != rank:
+                    _linear_into(sent[rows[r]], x[rows[r]], weight, None)
+            recv = buffers.get(shape, x.dtype, x.device)
+            handle = dist.all_to_all_single(recv, sent, group=group, async_op=True)
+            received = [recv[rows[r]] for r in range(size) if r != rank]
+        out = torch.empty((n,) + shape[1:], dtype=x.dtype, device=x.device)
+        _linear_into(out, x[rows[rank]], weight, None)
+        handle.wait()
+    for part in received:
+        out += part
     return out
+
+
+def _gather_output_grad(grad_shard: torch.Tensor, weight: torch.Tensor, group, fp8: bool
+                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(the reduce-scattered output's gradient gathered, its input gradient where computed beside the gather,
+    else None). Into a window, split beside this rank's rows' input gradient, unless the weight gradient
+    reads the gathered tensor later (a zero-bubble W) or FP8 quantizes it: those get a tensor of their own."""
+    buffers = parallel_state.tp_symmetric_buffers(group)
+    if buffers is not None and not fp8 and getattr(weight, "defer_wgrad_into", None) is None:
+        grad_input, total = _linear_beside_gather(grad_shard, weight.t(), None, group, buffers)
+        return total, grad_input
+    with tp_collective("all-gather of the output gradient", group):
+        total, _ = gather_first_dim(grad_shard, group, keep=True)
+    return total, None
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -109,7 +158,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group,
-                fp8=None):
+                fp8=None, reduce_scatter_output=False):
         ctx.save_for_backward(x, weight)
         ctx.fp8 = fp8
         ctx.use_bias = bias is not None
@@ -117,11 +166,22 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
         ctx.group = group
+        ctx.reduce_scatter_output = reduce_scatter_output and group_rank_and_size(group)[1] > 1
+        if ctx.reduce_scatter_output:  # a row-parallel linear under SP: its output reduce-scattered here
+            if bias is not None:
+                raise ValueError("reduce_scatter_output: the bias is added after the reduce-scatter, by the caller")
+            buffers = parallel_state.tp_symmetric_buffers(group)
+            if buffers is not None and fp8 is None:
+                return _linear_reduce_scatter(x, weight, group, buffers)
+            if fp8 is None:
+                return _reduce_scatter_first_dim(F.linear(x, weight), group)
+            out, ctx.fp8_saved = fp8.fprop(_2d(x), weight, None)
+            return _reduce_scatter_first_dim(out.view(*x.shape[:-1], out.size(-1)), group)
         total_x = x
         if sequence_parallel and group_rank_and_size(group)[1] > 1:
             buffers = parallel_state.tp_symmetric_buffers(group)
             if buffers is not None and fp8 is None:
-                return _linear_beside_gather(x, weight, bias, group, buffers)
+                return _linear_beside_gather(x, weight, bias, group, buffers)[0]
             with tp_collective("all-gather of the sequence-parallel input", group):
                 total_x, _ = gather_first_dim(x, group, keep=True)
         # F.linear, not matmul then "+ bias": cuBLAS adds the bias in the GEMM's epilogue. The separate
@@ -136,12 +196,17 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         group = ctx.group
         _, size = group_rank_and_size(group)
+        grad_input = None
+        if ctx.reduce_scatter_output:  # the output gradient gathered first (beside this rank's rows' dgrad)
+            grad_output, grad_input = _gather_output_grad(grad_output, weight, group, ctx.fp8 is not None)
         total_x, handle = x, None
         if ctx.sequence_parallel and size > 1:  # the input's gather (for wgrad) runs beside the dgrad GEMM
             # a zero-bubble W or the FP8 wgrad reads total_x later: never a reused buffer for them
             keep = ctx.fp8 is not None or getattr(weight, "defer_wgrad_into", None) is not None
             total_x, handle = gather_first_dim(x, group, keep, async_op=True)
-        if ctx.fp8 is None:
+        if grad_input is not None:
+            pass  # computed beside the output gradient's gather
+        elif ctx.fp8 is None:
             grad_input = grad_output.matmul(weight)
         else:
             grad_input, fp8_saved = ctx.fp8.dgrad(_2d(grad_output), weight, ctx.fp8_saved)
@@ -175,7 +240,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 handle.wait()
         if ctx.sequence_parallel and size > 1:
             grad_input = sub_grad_input
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
@@ -187,11 +252,14 @@ def linear_with_grad_accumulation_and_async_allreduce(
     sequence_parallel: bool = False,
     group: Optional[dist.ProcessGroup] = None,
     fp8: Optional[Fp8Scaling] = None,
+    reduce_scatter_output: bool = False,
 ) -> torch.Tensor:
     """Megatron's linear with the TP communication of its backward; ``group=None`` = the default
     TP group (a single process when none is initialised), as for every tensor-parallel function.
-    ``fp8``: the linear's FP8 recipe and state (None: no FP8)."""
+    ``fp8``: the linear's FP8 recipe and state (None: no FP8). ``reduce_scatter_output`` (ours; a
+    row-parallel linear under SP): the output reduce-scattered along dim 0, its gradient gathered, with the
+    GEMMs split beside the collectives where the TP group has symmetric windows (``bias`` must be None)."""
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
         x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, resolve_tp_group(group),
-        fp8,
+        fp8, reduce_scatter_output,
     )
