@@ -174,10 +174,12 @@ def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCo
         # column-parallel linears all-gather their input again for the weight gradient (it is not
         # kept) beside their input-gradient GEMM, whose reduce-scatter overlaps the weight-gradient GEMM.
         gather_in = (ag, ag, _exposed(cluster, ag, dgrad_qkv), _exposed(cluster, ag, dgrad_fc1))
-        if layout.symmetric_gathers:  # those four input gathers on the copy engines (symmetric_memory.py)
-            gather_in = (ag * cluster.copy_engine_gather_cost,) * 4
-        comm_fwd = gather_in[0] + gather_in[1] + 2 * rs
-        comm_bwd = (2 * ag + gather_in[2] + gather_in[3]
+        out_rs, grad_ag = rs, ag  # the row-parallel outputs' reduce-scatters and their gradients' gathers
+        if layout.symmetric_gathers:  # in the windows, on the copy engines, each beside a split GEMM
+            gather_in = (ag * cluster.copy_engine_gather_cost,) * 4  # (linear_functions.py)
+            out_rs, grad_ag = rs * cluster.copy_engine_gather_cost, ag * cluster.copy_engine_gather_cost
+        comm_fwd = gather_in[0] + gather_in[1] + 2 * out_rs
+        comm_bwd = (2 * grad_ag + gather_in[2] + gather_in[3]
                     + _exposed(cluster, rs, wgrad_qkv) + _exposed(cluster, rs, wgrad_fc1))
     else:
         ar = all_reduce_time(cluster, tp_group, act)
