@@ -50,9 +50,10 @@ def nccl_environment_defaults() -> dict[str, str]:
 def describe(buffers: Optional["SymmetricBuffers"], reason: Optional[str]) -> str:
     """The training log's line on which TP all-gather path runs."""
     if buffers is None:
-        return f"TP all-gathers: NCCL's own buffers ({reason})"
+        return f"TP all-gathers and reduce-scatters: NCCL's own buffers ({reason})"
     engines = "copy engines" if os.environ.get("NCCL_CTA_POLICY") == "2" else "NCCL symmetric kernels"
-    return f"TP all-gathers: NCCL symmetric windows, on the {engines} (--no-tp-symmetric-gathers: off)"
+    return (f"TP all-gathers and reduce-scatters: NCCL symmetric windows, on the {engines}, each beside its "
+            "GEMM split by rank (--no-tp-symmetric-gathers: off)")
 
 
 def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:

@@ -115,7 +115,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "dualpipev hold two chunks per rank in a V (virtual size 2 implied)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--no-tp-symmetric-gathers", dest="tp_symmetric_gathers", action="store_false",
-                   help="the sequence-parallel all-gathers into NCCL's own buffers, not symmetric windows "
+                   help="the sequence-parallel all-gathers and reduce-scatters in NCCL's own buffers, not "
+                        "symmetric windows "
                         "(which, with NCCL >= 2.28 and the layers replayed as CUDA graphs, run on the copy "
                         "engines beside the GEMMs; eager layers always use NCCL's own buffers)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
