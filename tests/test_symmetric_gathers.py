@@ -48,12 +48,15 @@ def _sweep(rank, world_size, refs):
     def counting(name, fn):
         def wrapped(*a, **k):
             result = fn(*a, **k)
-            if name != "gather_output_grad" or result[1] is not None:  # a gradient gather with its dgrad beside
+            if name == "reduce_scatter_beside_gemm":  # forward's (untagged) or the input gradient's ("dgrad")
+                name_ = f"{name}:{a[4] if len(a) > 4 else k.get('tag', '')}"
+                calls[name_] = calls.get(name_, 0) + 1
+            elif result[1] is not None:  # a gradient gather with its dgrad beside
                 calls[name] = calls.get(name, 0) + 1
             return result
         return wrapped
 
-    originals = {name: getattr(lf, "_" + name) for name in ("linear_reduce_scatter", "gather_output_grad")}
+    originals = {name: getattr(lf, "_" + name) for name in ("reduce_scatter_beside_gemm", "gather_output_grad")}
     for name, fn in originals.items():
         setattr(lf, "_" + name, counting(name, fn))
     try:
@@ -66,10 +69,12 @@ def _sweep(rank, world_size, refs):
             try:
                 result = train(args)
                 assert buffers.gets > 0, f"{where}: no all-gather took a reused buffer"
-                assert calls.get("linear_reduce_scatter"), f"{where}: no row-parallel reduce-scatter beside its GEMM"
+                assert calls.get("reduce_scatter_beside_gemm:"), f"{where}: no row-parallel reduce-scatter beside its GEMM"
+                assert calls.get("reduce_scatter_beside_gemm:dgrad"), \
+                    f"{where}: no input-gradient reduce-scatter beside its GEMMs"
                 if "zb-h1" not in extra:  # a deferred W reads the gathered gradient later: a tensor of its own
                     assert calls.get("gather_output_grad"), f"{where}: no gradient gather beside its dgrad"
-                assert (tp > 2) == any(key[3] == "send" for key in buffers.buffers), \
+                assert (tp > 2) == any(key[3].endswith("send") for key in buffers.buffers), \
                     f"{where}: the reduce-scatter's exchange is an all-to-all exactly above TP=2"
                 assert_trains_like(result, refs[family], where)
             finally:

@@ -175,12 +175,12 @@ def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCo
         # kept) beside their input-gradient GEMM, whose reduce-scatter overlaps the weight-gradient GEMM.
         gather_in = (ag, ag, _exposed(cluster, ag, dgrad_qkv), _exposed(cluster, ag, dgrad_fc1))
         out_rs, grad_ag = rs, ag  # the row-parallel outputs' reduce-scatters and their gradients' gathers
-        if layout.symmetric_gathers:  # in the windows, on the copy engines, each beside a split GEMM
-            gather_in = (ag * cluster.copy_engine_gather_cost,) * 4  # (linear_functions.py)
-            out_rs, grad_ag = rs * cluster.copy_engine_gather_cost, ag * cluster.copy_engine_gather_cost
+        grad_rs = _exposed(cluster, rs, wgrad_qkv) + _exposed(cluster, rs, wgrad_fc1)  # the input gradients'
+        if layout.symmetric_gathers:  # all eight in the windows, on the copy engines, each beside a split GEMM
+            ce = cluster.copy_engine_gather_cost  # (linear_functions.py)
+            gather_in, out_rs, grad_ag, grad_rs = (ag * ce,) * 4, rs * ce, ag * ce, 2 * rs * ce
         comm_fwd = gather_in[0] + gather_in[1] + 2 * out_rs
-        comm_bwd = (2 * grad_ag + gather_in[2] + gather_in[3]
-                    + _exposed(cluster, rs, wgrad_qkv) + _exposed(cluster, rs, wgrad_fc1))
+        comm_bwd = 2 * grad_ag + gather_in[2] + gather_in[3] + grad_rs
     else:
         ar = all_reduce_time(cluster, tp_group, act)
         # Forward: the row-parallel outputs (linear_proj, linear_fc2) are all-reduced, synchronously.

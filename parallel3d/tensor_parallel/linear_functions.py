@@ -8,7 +8,8 @@ forward's GEMM is split by source rank so that this rank's rows run while the al
 others'. The row-parallel linear's reduce-scatter (``reduce_scatter_output``) is split the other way: the
 rows the other ranks own are computed first and sent (an exchange in the windows, on the copy engines)
 while this rank's own rows run; its backward gathers the output gradient beside the input-gradient GEMM
-of this rank's rows. (torch's symmetric-memory ``fused_matmul_reduce_scatter``, whose transfers are SM
+of this rank's rows, and the column-parallel linear's input-gradient reduce-scatter is split the same way,
+beside this rank's rows and the weight gradient. (torch's symmetric-memory ``fused_matmul_reduce_scatter``, whose transfers are SM
 kernels, measured 0.54-0.80x on 4 x H100: BENCHMARKS.md, "TP communication overlap".)
 
 The weight gradient goes through ``weight_gradient``: deferred to a zero-bubble W, fused into
@@ -96,34 +97,41 @@ def _linear_beside_gather(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     return out, total_x
 
 
-def _linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group, buffers) -> torch.Tensor:
-    """reduce_scatter(x W^T) along dim 0 with the GEMM split by destination rank: the rows the other ranks
-    own first, straight into a symmetric window, then an exchange of those partial sums on the copy engines
-    while this rank's own rows run; the received partials are added last. At TP=2 the exchange is an
-    all-gather of the one piece the peer needs (NCCL's copy-engine all-gather); above, an all-to-all."""
+def _reduce_scatter_beside_gemm(x: torch.Tensor, weight: torch.Tensor, group, buffers, tag: str = ""):
+    """Start reduce_scatter(x W^T) along dim 0 with the GEMM split by destination rank: the rows the other
+    ranks own first, straight into a symmetric window, then an exchange of those partial sums on the copy
+    engines while this rank's own rows run. Returns (this rank's rows' product, the exchange's handle, the
+    received partials), for ``_add_received`` once the caller has queued what else runs beside it. At TP=2
+    the exchange is an all-gather of the one piece the peer needs (NCCL's copy-engine all-gather); above, an
+    all-to-all. ``tag``: a window of its own (backward's, whose input gather holds the untagged one)."""
     rank, size = group_rank_and_size(group)
     if x.size(0) % size != 0:
         raise ValueError(f"sequence length {x.size(0)} is not divisible by the TP size {size}")
     n = x.size(0) // size
     shape = (x.size(0),) + tuple(x.shape[1:-1]) + (weight.size(0),)
     rows = [slice(r * n, (r + 1) * n) for r in range(size)]
-    with tp_collective("reduce-scatter of the row-parallel output", group):
-        if size == 2:
-            peer = 1 - rank
-            sent = buffers.get(shape, x.dtype, x.device)
-            _linear_into(sent[rows[rank]], x[rows[peer]], weight, None)  # my partial of the peer's rows
-            handle = all_gather_into_tensor(sent, sent[rows[rank]], group=group, async_op=True)
-            received = [sent[rows[peer]]]
-        else:
-            sent = buffers.get(shape, x.dtype, x.device, tag="send")
-            for r in range(size):
-                if r != rank:
-                    _linear_into(sent[rows[r]], x[rows[r]], weight, None)
-            recv = buffers.get(shape, x.dtype, x.device)
-            handle = dist.all_to_all_single(recv, sent, group=group, async_op=True)
-            received = [recv[rows[r]] for r in range(size) if r != rank]
-        out = torch.empty((n,) + shape[1:], dtype=x.dtype, device=x.device)
-        _linear_into(out, x[rows[rank]], weight, None)
+    if size == 2:
+        peer = 1 - rank
+        sent = buffers.get(shape, x.dtype, x.device, tag=tag)
+        _linear_into(sent[rows[rank]], x[rows[peer]], weight, None)  # my partial of the peer's rows
+        handle = all_gather_into_tensor(sent, sent[rows[rank]], group=group, async_op=True)
+        received = [sent[rows[peer]]]
+    else:
+        sent = buffers.get(shape, x.dtype, x.device, tag=tag + "send")
+        for r in range(size):
+            if r != rank:
+                _linear_into(sent[rows[r]], x[rows[r]], weight, None)
+        recv = buffers.get(shape, x.dtype, x.device, tag=tag)
+        handle = dist.all_to_all_single(recv, sent, group=group, async_op=True)
+        received = [recv[rows[r]] for r in range(size) if r != rank]
+    out = torch.empty((n,) + shape[1:], dtype=x.dtype, device=x.device)
+    _linear_into(out, x[rows[rank]], weight, None)
+    return out, handle, received
+
+
+def _add_received(out: torch.Tensor, handle, received: list, what: str, group) -> torch.Tensor:
+    """Finish ``_reduce_scatter_beside_gemm``: wait for the exchange, add the other ranks' partials."""
+    with tp_collective(what, group):
         handle.wait()
     for part in received:
         out += part
@@ -172,7 +180,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 raise ValueError("reduce_scatter_output: the bias is added after the reduce-scatter, by the caller")
             buffers = parallel_state.tp_symmetric_buffers(group)
             if buffers is not None and fp8 is None:
-                return _linear_reduce_scatter(x, weight, group, buffers)
+                return _add_received(*_reduce_scatter_beside_gemm(x, weight, group, buffers),
+                                     "reduce-scatter of the row-parallel output", group)
             if fp8 is None:
                 return _reduce_scatter_first_dim(F.linear(x, weight), group)
             out, ctx.fp8_saved = fp8.fprop(_2d(x), weight, None)
@@ -204,8 +213,14 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             # a zero-bubble W or the FP8 wgrad reads total_x later: never a reused buffer for them
             keep = ctx.fp8 is not None or getattr(weight, "defer_wgrad_into", None) is not None
             total_x, handle = gather_first_dim(x, group, keep, async_op=True)
+        # under SP with windows the input gradient's reduce-scatter is split too: the other ranks' rows first,
+        # exchanged on the copy engines beside this rank's rows and the weight gradient
+        buffers = parallel_state.tp_symmetric_buffers(group) if ctx.sequence_parallel and size > 1 else None
+        split_rs = buffers is not None and ctx.fp8 is None and grad_input is None
         if grad_input is not None:
             pass  # computed beside the output gradient's gather
+        elif split_rs:
+            sub_grad_input, *exchange = _reduce_scatter_beside_gemm(grad_output, weight.t(), group, buffers, "dgrad")
         elif ctx.fp8 is None:
             grad_input = grad_output.matmul(weight)
         else:
@@ -216,8 +231,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                 handle.wait()
 
         handle = None
-        if size == 1:
-            pass  # one TP rank: the input gradient is already complete
+        if size == 1 or split_rs:
+            pass  # one TP rank: the input gradient is already complete; split: its exchange runs already
         elif ctx.sequence_parallel:
             sub_grad_input = torch.empty(
                 (grad_input.size(0) // size,) + tuple(grad_input.shape[1:]), dtype=grad_input.dtype,
@@ -238,6 +253,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if handle is not None:
             with tp_collective("reduce of the input gradient", group):
                 handle.wait()
+        if split_rs:
+            _add_received(sub_grad_input, *exchange, "reduce-scatter of the input gradient", group)
         if ctx.sequence_parallel and size > 1:
             grad_input = sub_grad_input
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
