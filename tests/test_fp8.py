@@ -413,3 +413,39 @@ def test_weights_made_in_inference_mode_are_quantized_afresh():
         after = lin(x)[0]
     assert not lin.fp8_scaling._weight_cache
     torch.testing.assert_close(after, 2 * before)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+@pytest.mark.parametrize("layer", [ColumnParallelLinear, RowParallelLinear])
+def test_fprop_keeps_the_inputs_wgrad_operand(recipe, layer, monkeypatch):
+    """With a tensor-scaled FP8 wgrad, fprop quantizes the input once in both layouts and backward keeps that
+    transpose instead of the input: the input is not saved, wgrad quantizes nothing, and outputs and
+    gradients equal the path that quantizes the input again in wgrad, bit for bit. Rowwise keeps the input."""
+    from parallel3d.tensor_parallel.fp8 import INPUT, Fp8Scaling
+
+    torch.manual_seed(0)
+    batches = [torch.randn(6, 24) * (1 + m) for m in range(2)]
+    go = torch.randn(6, 40) * 1e-3
+    runs, holds_input = {}, {}
+    for keep in (True, False):
+        torch.manual_seed(1)
+        lin = layer(24, 40, fp8=Fp8Recipe(recipe=recipe), bias=False)
+        with monkeypatch.context() as m:
+            if not keep:
+                m.setattr(Fp8Scaling, "keeps_input_operand", lambda self: False)
+            layouts = _counting_quantize(m, INPUT)
+            runs[keep] = _run_steps(lin, batches, go, steps=2), list(layouts)
+            x, packed = torch.randn(6, 24, requires_grad=True), []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+                lin(x)
+            holds_input[keep] = any(t.data_ptr() == x.data_ptr() for t in packed)
+    (kept, kept_layouts), (again, again_layouts) = runs[True], runs[False]
+    for i, (a, b) in enumerate(zip(kept, again)):
+        assert torch.equal(a, b), f"tensor {i} differs"
+    per_microbatch = 2 * 2  # steps x micro-batches
+    if recipe == "rowwise":
+        assert kept_layouts == again_layouts == ["row", "col"] * per_microbatch
+        assert holds_input[True]
+    else:
+        assert kept_layouts == ["both"] * per_microbatch and again_layouts == ["row", "col"] * per_microbatch
+        assert not holds_input[True] and holds_input[False]  # the bf16 input is not held for backward

@@ -252,35 +252,44 @@ class Fp8Scaling(nn.Module):
         return cache["amax"]
 
     # --- the three GEMMs ------------------------------------------------------------------------------
-    def fprop(self, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
-              ) -> tuple[torch.Tensor, tuple[Optional[list[torch.Tensor]], bool]]:
-        """(x @ weight^T + bias, what dgrad needs: the scales backward reuses and whether they came from
-        the history). Delayed scaling records the amaxes of a training forward only: a module in eval
-        mode (evaluation, generation) leaves the next step's scales alone."""
+    def keeps_input_operand(self) -> bool:
+        """Whether fprop also writes the input's wgrad operand (the transpose, fprop's scale: the very bytes
+        wgrad would quantize), which backward then keeps instead of the bf16 input: an FP8 wgrad with one
+        scale per tensor. Rowwise scales the wgrad operand along another axis."""
+        return self.recipe.wgrad and not self._rowwise()
+
+    def fprop(self, x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], keep_input: bool = False
+              ) -> tuple[torch.Tensor, tuple[Optional[list[torch.Tensor]], bool, Optional[Fp8Operand]]]:
+        """(x @ weight^T + bias, what dgrad needs: the scales backward reuses, whether they came from the
+        history, and with ``keep_input`` (where ``keeps_input_operand``) the input's wgrad operand, from the
+        same read as fprop's). Delayed scaling records the amaxes of a training forward only: a module in
+        eval mode (evaluation, generation) leaves the next step's scales alone."""
+        layout = "both" if keep_input and self.keeps_input_operand() else "row"
         # The roles' scales as a list of 0-dim tensors (views or the casts' own: no launch to gather them);
         # delayed copies the buffer, which backward's GEMMs use after the forward.
         scales = list(self.scale.clone().unbind()) if self._from_history() else None
         if scales is not None:
             w8, _ = self._weight_operands(weight, "fprop", scales[WEIGHT])
-            x8, _ = self._quantize(x2d, INPUT, "row", scale=scales[INPUT])
+            x8, x8t = self._quantize(x2d, INPUT, layout, scale=scales[INPUT])
         else:  # current scales: one all-reduce for both amaxes where the weight is quantized now
             w8, x_amax = self._weight_operands(weight, "fprop", None, (x2d, INPUT))
             x_amax = self._amaxes([(x2d, INPUT, "fprop")])[0] if x_amax is None else x_amax
-            x8, _ = self._quantize(x2d, INPUT, "row", amax=x_amax)
+            x8, x8t = self._quantize(x2d, INPUT, layout, amax=x_amax)
         if self.recipe.recipe == "delayed" and self.training:
             self._record(x2d, INPUT)
             self._record(weight, WEIGHT, self._weight_amax(weight))
         out = self._mm(x8, w8, x2d.dtype, fast_accum=True, bias=None if bias is None else bias.to(x2d.dtype))
         if scales is None and not self._rowwise():  # current scales: grad_output's comes in dgrad
             scales = [x8.scale, w8.scale, None]
-        return out, (scales, self._from_history())
+        return out, (scales, self._from_history(), x8t)
 
-    def dgrad(self, grad_output2d: torch.Tensor, weight: torch.Tensor, saved: tuple[Optional[list[torch.Tensor]], bool]
-              ) -> tuple[torch.Tensor, tuple[Optional[list[torch.Tensor]], Optional[Fp8Operand]]]:
-        """(grad_output @ weight, what wgrad takes: fprop's scales with grad_output's, and grad_output's
-        transposed operand, quantized here from the same read where wgrad runs in FP8 with a tensor scale;
-        a deferred (zero-bubble) wgrad holds it until W). ``saved``: what fprop returned."""
-        scales, from_history = saved
+    def dgrad(self, grad_output2d: torch.Tensor, weight: torch.Tensor, saved: tuple
+              ) -> tuple[torch.Tensor, tuple[Optional[list[torch.Tensor]], Optional[Fp8Operand], Optional[Fp8Operand]]]:
+        """(grad_output @ weight, what wgrad takes: fprop's scales with grad_output's, grad_output's
+        transposed operand, quantized here from the same read where wgrad runs in FP8 with a tensor scale
+        (a deferred, zero-bubble wgrad holds it until W), and fprop's input operand). ``saved``: what fprop
+        returned."""
+        scales, from_history, x8t = saved
         g = grad_output2d
         if self.recipe.recipe == "delayed":
             self._record(g, GRAD_OUTPUT)
@@ -288,7 +297,7 @@ class Fp8Scaling(nn.Module):
             w8, g_amax = self._weight_operands(weight, "dgrad", None, (g, GRAD_OUTPUT))
             g_amax = self._amaxes([(g, GRAD_OUTPUT, "dgrad")])[0] if g_amax is None else g_amax
             g8, _ = self._quantize(g, GRAD_OUTPUT, "row", amax=g_amax)
-            return self._mm(g8, w8, g.dtype), (None, None)
+            return self._mm(g8, w8, g.dtype), (None, None, None)
         layout = "both" if self.recipe.wgrad else "row"
         if from_history:
             g8, g8t = self._quantize(g, GRAD_OUTPUT, layout, scale=scales[GRAD_OUTPUT])
@@ -296,19 +305,19 @@ class Fp8Scaling(nn.Module):
             g8, g8t = self._quantize(g, GRAD_OUTPUT, layout, amax=self._amaxes([(g, GRAD_OUTPUT, "dgrad")])[0])
             scales = scales[:GRAD_OUTPUT] + [g8.scale]
         w8, _ = self._weight_operands(weight, "dgrad", scales[WEIGHT])
-        return self._mm(g8, w8, g.dtype), (scales, g8t)
+        return self._mm(g8, w8, g.dtype), (scales, g8t, x8t)
 
-    def wgrad(self, grad_output2d: torch.Tensor, x2d: torch.Tensor,
-              saved: tuple[Optional[list[torch.Tensor]], Optional[Fp8Operand]],
+    def wgrad(self, grad_output2d: torch.Tensor, x2d: Optional[torch.Tensor], saved: tuple,
               out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """grad_output^T @ input in fp32: returned (the caller adds it or casts it to the weight's dtype), or
-        accumulated into ``out`` (main_grad) by the GEMM itself. ``saved``: what dgrad returned."""
-        scales, g8t = saved
+        accumulated into ``out`` (main_grad) by the GEMM itself. ``saved``: what dgrad returned; ``x2d`` may
+        be None where it holds fprop's input operand."""
+        scales, g8t, x8t = saved
         if self._rowwise():
             g_amax, x_amax = self._amaxes([(grad_output2d, GRAD_OUTPUT, "wgrad"), (x2d, INPUT, "wgrad")])
             _, g8t = self._quantize(grad_output2d, GRAD_OUTPUT, "col", amax=g_amax)
             _, x8t = self._quantize(x2d, INPUT, "col", amax=x_amax)
-        else:  # fprop's input scale, dgrad's grad_output operand
+        elif x8t is None:  # fprop's input scale, dgrad's grad_output operand
             _, x8t = self._quantize(x2d, INPUT, "col", scale=scales[INPUT])
         if out is None:
             return self._mm(g8t, x8t, torch.float32)

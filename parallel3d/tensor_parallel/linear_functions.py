@@ -167,7 +167,14 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group,
                 fp8=None, reduce_scatter_output=False):
-        ctx.save_for_backward(x, weight)
+        # FP8 with a tensor-scaled FP8 wgrad: fprop writes the input's wgrad operand too, and backward keeps
+        # it (1 byte an element, gathered under SP) instead of the bf16 input (2 bytes, the shard under SP,
+        # gathered again in backward and quantized again for wgrad). At TP > 2 under SP it would cost more
+        # memory than the shard, so there the input stays.
+        tp = group_rank_and_size(group)[1]
+        keep_x8 = (fp8 is not None and fp8.keeps_input_operand() and ctx.needs_input_grad[1]
+                   and (not sequence_parallel or tp <= 2))
+        ctx.save_for_backward(None if keep_x8 else x, weight)
         ctx.fp8 = fp8
         ctx.use_bias = bias is not None
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -184,7 +191,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
                                      "reduce-scatter of the row-parallel output", group)
             if fp8 is None:
                 return _reduce_scatter_first_dim(F.linear(x, weight), group)
-            out, ctx.fp8_saved = fp8.fprop(_2d(x), weight, None)
+            out, ctx.fp8_saved = fp8.fprop(_2d(x), weight, None, keep_input=keep_x8)
             return _reduce_scatter_first_dim(out.view(*x.shape[:-1], out.size(-1)), group)
         total_x = x
         if sequence_parallel and group_rank_and_size(group)[1] > 1:
@@ -197,7 +204,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         # broadcast add was a 13 ms kernel of a GPT-1.3B step on one H100 (the QKV bias, 2.4%).
         if fp8 is None:
             return F.linear(total_x, weight, bias)
-        out, ctx.fp8_saved = fp8.fprop(_2d(total_x), weight, bias)
+        out, ctx.fp8_saved = fp8.fprop(_2d(total_x), weight, bias, keep_input=keep_x8)
         return out.view(*total_x.shape[:-1], out.size(-1))
 
     @staticmethod
@@ -209,7 +216,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if ctx.reduce_scatter_output:  # the output gradient gathered first (beside this rank's rows' dgrad)
             grad_output, grad_input = _gather_output_grad(grad_output, weight, group, ctx.fp8 is not None)
         total_x, handle = x, None
-        if ctx.sequence_parallel and size > 1:  # the input's gather (for wgrad) runs beside the dgrad GEMM
+        if x is not None and ctx.sequence_parallel and size > 1:  # the input's gather (for wgrad), beside dgrad
             # a zero-bubble W or the FP8 wgrad reads total_x later: never a reused buffer for them
             keep = ctx.fp8 is not None or getattr(weight, "defer_wgrad_into", None) is not None
             total_x, handle = gather_first_dim(x, group, keep, async_op=True)
@@ -247,7 +254,8 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         gemm = None
         if ctx.fp8 is not None and ctx.fp8.recipe.wgrad:  # else fp8_wgrad=False: the high-precision GEMM
             gemm = functools.partial(ctx.fp8.wgrad, saved=fp8_saved)
-        grad_weight = weight_gradient(weight, _2d(total_x), grad_output_2d, ctx.gradient_accumulation_fusion, gemm)
+        grad_weight = weight_gradient(weight, None if total_x is None else _2d(total_x), grad_output_2d,
+                                      ctx.gradient_accumulation_fusion, gemm)
         grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
 
         if handle is not None:
