@@ -176,9 +176,12 @@ def layer_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCo
         gather_in = (ag, ag, _exposed(cluster, ag, dgrad_qkv), _exposed(cluster, ag, dgrad_fc1))
         out_rs, grad_ag = rs, ag  # the row-parallel outputs' reduce-scatters and their gradients' gathers
         grad_rs = _exposed(cluster, rs, wgrad_qkv) + _exposed(cluster, rs, wgrad_fc1)  # the input gradients'
-        if layout.symmetric_gathers:  # all eight in the windows, on the copy engines, each beside a split GEMM
-            ce = cluster.copy_engine_gather_cost  # (linear_functions.py)
-            gather_in, out_rs, grad_ag, grad_rs = (ag * ce,) * 4, rs * ce, ag * ce, 2 * rs * ce
+        if layout.symmetric_gathers:  # all eight in the windows, each beside a split GEMM (linear_functions.py)
+            ce = cluster.copy_engine_gather_cost  # the gathers on the copy engines
+            gather_in, grad_ag = (ag * ce,) * 4, ag * ce
+            if t == 2:  # a reduce-scatter's exchange is a gather of the peer's piece; above TP=2 it is an
+                # all-to-all, which gained a fifth of what TP=2 did (BENCHMARKS.md, tenth lease): NCCL's time
+                out_rs, grad_rs = rs * ce, 2 * rs * ce
         comm_fwd = gather_in[0] + gather_in[1] + 2 * out_rs
         comm_bwd = 2 * grad_ag + gather_in[2] + gather_in[3] + grad_rs
     else:
