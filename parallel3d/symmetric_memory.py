@@ -1,10 +1,12 @@
-"""Persistent buffers in NCCL symmetric windows, for the sequence-parallel all-gathers (issue 26).
+"""Persistent buffers in NCCL symmetric windows, for the sequence-parallel collectives (issue 26).
 
 NCCL >= 2.28 runs an all-gather on the GPU's copy engines, using no SMs, when its buffers lie in a
 symmetric window (memory that every rank of the communicator registered) and the communicator has the
 zero-CTA policy (``NCCL_CTA_POLICY=2``). A copy-engine copy runs beside a cuBLAS GEMM, where an NCCL
 kernel waits for the GEMM's SMs (BENCHMARKS.md, issue 26), so the backward's re-gather of a
-column-parallel input can overlap the input-gradient GEMM.
+column-parallel input can overlap the input-gradient GEMM. The reduce-scatters use them too, as gathers:
+the linear computes the rows the other ranks own first, into a window, and exchanges them while its own
+rows run (``tensor_parallel/linear_functions.py``), so every TP collective of a layer is a copy.
 
 Registering memory is a collective and is slow, so each buffer is allocated and registered once (in an
 eager step; never inside a CUDA graph's capture) and then reused by every later gather of its shape
@@ -74,7 +76,7 @@ def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
 
 
 class SymmetricBuffers:
-    """One all-gather output per (shape, dtype) for ``group``, in an NCCL symmetric window."""
+    """One collective buffer per (shape, dtype, tag) for ``group``, in an NCCL symmetric window."""
 
     def __init__(self, group: dist.ProcessGroup):
         import torch.distributed._symmetric_memory as symm_mem
