@@ -171,9 +171,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         # it (1 byte an element, gathered under SP) instead of the bf16 input (2 bytes, the shard under SP,
         # gathered again in backward and quantized again for wgrad). At TP > 2 under SP it would cost more
         # memory than the shard, so there the input stays.
-        tp = group_rank_and_size(group)[1]
+        size = group_rank_and_size(group)[1]
         keep_x8 = (fp8 is not None and fp8.keeps_input_operand() and ctx.needs_input_grad[1]
-                   and (not sequence_parallel or tp <= 2))
+                   and (not sequence_parallel or size <= 2))
         ctx.save_for_backward(None if keep_x8 else x, weight)
         ctx.fp8 = fp8
         ctx.use_bias = bias is not None
@@ -181,31 +181,30 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
         ctx.group = group
-        ctx.reduce_scatter_output = reduce_scatter_output and group_rank_and_size(group)[1] > 1
+        ctx.reduce_scatter_output = reduce_scatter_output and size > 1
+        # the windows serve the split paths (not FP8, which quantizes the whole tensor)
+        buffers = parallel_state.tp_symmetric_buffers(group) if fp8 is None and size > 1 and (
+            ctx.reduce_scatter_output or sequence_parallel) else None
+        total_x = x
         if ctx.reduce_scatter_output:  # a row-parallel linear under SP: its output reduce-scattered here
             if bias is not None:
                 raise ValueError("reduce_scatter_output: the bias is added after the reduce-scatter, by the caller")
-            buffers = parallel_state.tp_symmetric_buffers(group)
-            if buffers is not None and fp8 is None:
+            if buffers is not None:
                 return _add_received(*_reduce_scatter_beside_gemm(x, weight, group, buffers),
                                      "reduce-scatter of the row-parallel output", group)
-            if fp8 is None:
-                return _reduce_scatter_first_dim(F.linear(x, weight), group)
-            out, ctx.fp8_saved = fp8.fprop(_2d(x), weight, None, keep_input=keep_x8)
-            return _reduce_scatter_first_dim(out.view(*x.shape[:-1], out.size(-1)), group)
-        total_x = x
-        if sequence_parallel and group_rank_and_size(group)[1] > 1:
-            buffers = parallel_state.tp_symmetric_buffers(group)
-            if buffers is not None and fp8 is None:
+        elif sequence_parallel and size > 1:
+            if buffers is not None:
                 return _linear_beside_gather(x, weight, bias, group, buffers)[0]
             with tp_collective("all-gather of the sequence-parallel input", group):
                 total_x, _ = gather_first_dim(x, group, keep=True)
         # F.linear, not matmul then "+ bias": cuBLAS adds the bias in the GEMM's epilogue. The separate
         # broadcast add was a 13 ms kernel of a GPT-1.3B step on one H100 (the QKV bias, 2.4%).
         if fp8 is None:
-            return F.linear(total_x, weight, bias)
-        out, ctx.fp8_saved = fp8.fprop(_2d(total_x), weight, bias, keep_input=keep_x8)
-        return out.view(*total_x.shape[:-1], out.size(-1))
+            out = F.linear(total_x, weight, bias)
+        else:
+            out, ctx.fp8_saved = fp8.fprop(_2d(total_x), weight, bias, keep_input=keep_x8)
+            out = out.view(*total_x.shape[:-1], out.size(-1))
+        return _reduce_scatter_first_dim(out, group) if ctx.reduce_scatter_output else out
 
     @staticmethod
     def backward(ctx, grad_output):
