@@ -33,11 +33,20 @@ import torch.distributed as dist
 NCCL_ENV_DEFAULTS = {"NCCL_CTA_POLICY": "2"}
 
 
-def gathers_run(asked: bool, sequence_parallel: bool, cuda_graphs: bool) -> bool:
-    """Whether a run's SP all-gathers go into symmetric windows: asked for (not --no-tp-symmetric-gathers),
+def gathers_off_reason(asked: bool, sequence_parallel: bool, cuda_graphs: bool) -> Optional[str]:
+    """None where a run's SP all-gathers go into symmetric windows: asked for (not --no-tp-symmetric-gathers),
     under sequence parallelism, with the layers replayed as CUDA graphs. With eager layers, where the host
-    launches each gather, they measured slower (BENCHMARKS.md, issue 26)."""
-    return asked and sequence_parallel and cuda_graphs
+    launches each gather, they measured slower (BENCHMARKS.md, issue 26). Else why not, for the training log."""
+    why = [text for off, text in ((not asked, "--no-tp-symmetric-gathers"),
+                                  (not sequence_parallel, "no --sequence-parallel"),
+                                  (not cuda_graphs, "eager layers: no CUDA graphs, see the log's graph line"))
+           if off]
+    return "; ".join(why) or None
+
+
+def gathers_run(asked: bool, sequence_parallel: bool, cuda_graphs: bool) -> bool:
+    """Whether a run's SP all-gathers go into symmetric windows (``gathers_off_reason``)."""
+    return gathers_off_reason(asked, sequence_parallel, cuda_graphs) is None
 
 
 def nccl_environment_defaults() -> dict[str, str]:

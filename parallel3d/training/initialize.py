@@ -56,7 +56,7 @@ def initialize_distributed(config: TrainingConfig | argparse.Namespace) -> None:
     # Megatron's --distributed-timeout-minutes: gloo's 30 min default would stall every rank that long.
     # NCCL's groups get a longer timeout than ours: our watchdog names the hung operation first (distributed_timeout).
     timeout = prepare_process_groups(backend, datetime.timedelta(minutes=loop.distributed_timeout_minutes))
-    symmetric = layout.tp_symmetric_gathers  # symmetric_memory.gathers_run: SP with graphs, if not turned off
+    symmetric = layout.tp_symmetric_gathers  # symmetric_memory.gathers_off_reason: SP with graphs, if not turned off
     if backend == "nccl" and symmetric:
         symmetric_memory.nccl_environment_defaults()  # the copy engines' policy, before NCCL's communicators
     if not dist.is_initialized():
@@ -64,7 +64,7 @@ def initialize_distributed(config: TrainingConfig | argparse.Namespace) -> None:
     state = parallel_state.initialize_model_parallel(**layout.model_parallel_sizes, timeout=timeout,
                                                      tp_symmetric_gathers=None if symmetric else False)
     if layout.sequence_parallel:
-        reason = state.tp_symmetric_off_reason if symmetric else "eager layers, or --no-tp-symmetric-gathers"
+        reason = state.tp_symmetric_off_reason if symmetric else layout.tp_symmetric_gathers_off
         print_rank_0(symmetric_memory.describe(state.tp_symmetric_buffers, reason))
     start_watchdog()
     # Megatron's _set_random_seed: one seed per pipeline stage for the CPU generator (weights are

@@ -23,7 +23,7 @@ import torch
 
 from parallel3d.distributed import DistributedDataParallelConfig, OptimizerConfig
 from parallel3d.parallel_state import model_parallel_sizes
-from parallel3d.symmetric_memory import gathers_run
+from parallel3d.symmetric_memory import gathers_off_reason
 from parallel3d.training.megatron_args import current_global_batch_size, scheduler_steps
 
 
@@ -42,9 +42,13 @@ class LayoutConfig:
     num_microbatches: int  # this iteration's
     target_global_batch_size: int  # --global-batch-size
     rampup_batch_size: Optional[tuple]  # (start, increment, samples), or None
-    # the SP all-gathers into NCCL symmetric windows where available (symmetric_memory.gathers_run: SP with
-    # graphs, unless --no-tp-symmetric-gathers)
-    tp_symmetric_gathers: bool = False
+    # why the SP all-gathers do not go into NCCL symmetric windows; None: they do, where NCCL has them
+    # (symmetric_memory.gathers_off_reason: SP with graphs, unless --no-tp-symmetric-gathers)
+    tp_symmetric_gathers_off: Optional[str] = "not asked for"
+
+    @property
+    def tp_symmetric_gathers(self) -> bool:
+        return self.tp_symmetric_gathers_off is None
 
     def at_consumed(self, consumed_samples: int) -> "LayoutConfig":
         """The batch of the iteration after ``consumed_samples`` samples (self without a rampup)."""
@@ -162,8 +166,8 @@ class TrainingConfig:
         rampup = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
         return TrainingConfig(
             _section(LayoutConfig, args, model_parallel_sizes=model_parallel_sizes(args), rampup_batch_size=rampup,
-                     tp_symmetric_gathers=gathers_run(args.tp_symmetric_gathers, args.sequence_parallel,
-                                                      args.enable_cuda_graph)),
+                     tp_symmetric_gathers_off=gathers_off_reason(args.tp_symmetric_gathers, args.sequence_parallel,
+                                                                 args.enable_cuda_graph)),
             loop,
             _section(LRScheduleConfig, args, **scheduler_steps(args)), _section(CheckpointConfig, args),
             _section(LoggingConfig, args), optimizer, ddp, vars(args))
