@@ -293,6 +293,19 @@ def _dropout_recompute_case(rank, tp_size):
         assert torch.equal(m, mask) == same_tp_rank or tp_size == 1, "dropout stream layout is wrong"
 
 
+def _reduce_case(rank, tp_size):
+    """The row-parallel sum: the caller's tensor keeps its value (the all-reduce runs on a copy), and one TP rank
+    returns it as it is, with no copy (a clone of every row-parallel output at TP=1 was a GPU step's waste)."""
+    r = ps.get_tensor_model_parallel_rank()
+    x = torch.full((3, 4), float(r + 1), requires_grad=True)
+    y = tp.reduce_from_tensor_model_parallel_region(x)
+    assert torch.equal(x.detach(), torch.full((3, 4), float(r + 1))), "the all-reduce changed its input"
+    assert torch.equal(y.detach(), torch.full((3, 4), tp_size * (tp_size + 1) / 2))
+    assert (y.data_ptr() == x.data_ptr()) is (tp_size == 1), "one TP rank must not copy; more must"
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones(3, 4))
+
+
 def _sweep(rank, world_size):
     done = []
     for tp_size in (1, 2, 4):
@@ -300,6 +313,7 @@ def _sweep(rank, world_size):
             ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
             try:
                 _column_row_cases(rank, tp_size, sp)
+                _reduce_case(rank, tp_size)
                 _embedding_and_loss_cases(rank, tp_size, sp)
                 _block_cases(rank, tp_size, sp)
                 if not sp:

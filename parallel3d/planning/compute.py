@@ -217,15 +217,14 @@ def _layer_elementwise(model: ModelSpec, layout: Layout, forward: bool) -> float
         n += tokens * (fc1 + ffn)  # bias-activation: read fc1's output, write the activation
         n += tokens * rope  # RoPE on q and k
         n += tokens * q * 2  # core attention's [b, n, s, d] output permuted back to [s, b, n*d]: a copy
-        n += tokens * qkv * 2 if bias else 0  # linear_qkv adds its bias as a separate `out + bias`
-        if not layout.sequence_parallel:  # _ReduceFromRegion clones linear_proj's and linear_fc2's output
-            n += tokens * h * 2 * 2  # (it does so for any TP group, TP=1 included)
+        if t > 1 and not layout.sequence_parallel:  # _ReduceFromRegion clones linear_proj's and linear_fc2's
+            n += tokens * h * 2 * 2  # output before their in-place all-reduces
         return n
     n = rows * h * 2 * 3  # two norm backwards: read x and dy, write dx
     n += rows * h * 2 * (3 + mask)  # two bias-dropout-add backwards (grad, bias-grad reduction, mask)
     n += rows * h * 2 * 3  # autograd sums the residual's gradient with the branch's, twice: read 2, write 1
-    n += tokens * (2 * fc1 + ffn)  # activation backward: read dy and x, write dx
-    n += tokens * fc1 if bias else 0  # ... and the fc1 bias gradient, a reduction over dx
+    n += tokens * (2 * fc1 + ffn)  # activation backward: read dy and x, write dx (and the fc1 bias gradient
+    # from the same pass: the fused kernel's partial sums in registers)
     n += tokens * rope
     n += tokens * q * 2  # the attention output's gradient made contiguous for the attention backward
     n += tokens * qkv * 2  # dq, dk, dv concatenated into linear_qkv's [s, b, qkv] gradient (split's backward)
@@ -250,9 +249,9 @@ def embedding_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Pa
     """Word (+ position) embedding lookup and its dense weight gradient added into main_grad."""
     t, elem = layout.tp, 2 if layout.bf16 else 4
     tokens, h = layout.micro_batch_size * model.seq_length, model.hidden_size
-    # Lookup (+ position lookup and add), the [b, s, h] -> [s, b, h] transpose copy, and the
-    # row-parallel style clone of _ReduceFromRegion before the TP sum.
-    fwd = _passes(cluster, tokens * h * elem * (3 + 2 + 2), 4)
+    # Lookup (+ position lookup and add), the [b, s, h] -> [s, b, h] transpose copy, and above TP=1 the
+    # clone of _ReduceFromRegion before the TP sum.
+    fwd = _passes(cluster, tokens * h * elem * (3 + 2 + (2 if t > 1 else 0)), 4 if t > 1 else 3)
     bwd = _passes(cluster, _tied_weight_grad_bytes(model, layout, model.vocab(t) // t) + tokens * h * elem, 3)
     group = group_of(cluster, t, 1)
     rope = model.position_embedding_type == "rope"  # only then is the TP sum a reduce-scatter (gpt.py)

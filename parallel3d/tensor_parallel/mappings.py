@@ -96,7 +96,11 @@ class _CopyToRegion(torch.autograd.Function):
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone() if group is not None else x, group)
+        # The all-reduce runs in place, so on a copy: the caller's tensor keeps its value. One rank reduces
+        # nothing and copies nothing (the copy was two [s, b, h] clones a layer at TP=1).
+        if group is None or dist.get_world_size(group) == 1:
+            return x
+        return _all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
