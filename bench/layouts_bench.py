@@ -116,7 +116,7 @@ ENV = {"tp2-hp-co16": {"TORCH_NCCL_HIGH_PRIORITY": "1"}, "tp2-co16-nc8": _NC8,
 CDMC1 = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
-def measure(names: list[str], out: str, iters: int, warmup: int, timeout: int) -> dict:
+def measure(names: list[str], out: str, iters: int, warmup: int, timeout: int, peers: bool = True) -> dict:
     path = os.path.join(out, "layouts_bench.json")
     results = json.load(open(path)) if os.path.exists(path) else {}
     logs = os.path.join(out, "logs")
@@ -131,7 +131,7 @@ def measure(names: list[str], out: str, iters: int, warmup: int, timeout: int) -
             print(f"profile {name}: " + ", ".join(f"{k} {ours[k]:.1f}" for k in BREAKDOWN))
         if ours.get("collective_profile"):
             print(f"collectives {name}: {json.dumps(ours['collective_profile'])}")
-        if peer:
+        if peer and peers:
             runs = [run(f"megatron_{name}", gpus, MEGATRON, common, logs, timeout=timeout)]
             if "--tp" in common and os.environ.get("MEGATRON_CDMC1") == "1":
                 runs.append(run(f"megatron_{name}_cdmc1", gpus, MEGATRON, common, logs, timeout=timeout, env=CDMC1))
@@ -186,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     p.add_argument("--report", nargs="*", default=None, help="layouts_bench.json files to tabulate (merged)")
     p.add_argument("--cluster-file", default=None, help="planner cluster (bench/calibrate_planner.py)")
+    p.add_argument("--no-peer", action="store_true", help="parallel3d's runs only (an A/B of our own code)")
     a = p.parse_args(argv)
     if a.report is None:
-        measure(a.runs, a.out, a.iters, a.warmup, a.timeout)
+        measure(a.runs, a.out, a.iters, a.warmup, a.timeout, peers=not a.no_peer)
         a.report = [os.path.join(a.out, "layouts_bench.json")]
     results: dict = {}
     for path in a.report:

@@ -7,7 +7,8 @@
 #                                                   zero-CTA policy: the copy-engine all-gather, also from a graph)
 #   LAYOUTS="1gpu pp4-1f1b pp4-zb-h2" bash bench/run_gpu_benches.sh layouts   (bench/layouts_bench.py)
 #   AB_PATCH=x.patch LAYOUTS="tp2-sp-graph" bash bench/run_gpu_benches.sh ab   (the rows before and after
-#                                                   `git apply x.patch`, a branch's diff, in one call: $OUT/before, $OUT/after)
+#                                                   `git apply x.patch`, a branch's diff, in one call: $OUT/before, $OUT/after;
+#                                                   parallel3d's runs only)
 #   bash bench/run_gpu_benches.sh fp8              (bf16 and FP8 recipes against plain + compile and torchtitan
 #                                                   float8, one GPU per preset; FP8_PRESETS, FP8_GPUS presets at
 #                                                   once, FP8_BUDGET_S seconds in all; FP8_RECIPES; FP8_WITHOUT:
@@ -52,8 +53,8 @@ for what in "$@"; do
                --timeout 150 && BENCH_TIMEOUT=110 python3 bench/validate_planner.py --batches 32 \
                --cluster-file "$OUT/planner_cluster.json" --log-dir "$OUT/logs" --out "$OUT/validate_planner.md" ;;
     layouts) python3 bench/layouts_bench.py --runs ${LAYOUTS:-1gpu tp2-sp} --timeout 110 --out "$OUT" ;;
-    ab) python3 bench/layouts_bench.py --runs $LAYOUTS --timeout 110 --out "$OUT/before" \
-          && git apply "$AB_PATCH" && python3 bench/layouts_bench.py --runs $LAYOUTS --timeout 110 --out "$OUT/after"
+    ab) python3 bench/layouts_bench.py --runs $LAYOUTS --timeout 110 --no-peer --out "$OUT/before" \
+          && git apply "$AB_PATCH" && python3 bench/layouts_bench.py --runs $LAYOUTS --timeout 110 --no-peer --out "$OUT/after"
         git apply -R "$AB_PATCH" 2>/dev/null ;;
     fp8) python3 bench/single_gpu_bench.py --fp8 --presets ${FP8_PRESETS:-llama-3b llama-1b gpt-1.3b} \
            ${FP8_RECIPES:+--recipes $FP8_RECIPES} ${FP8_WITHOUT:+--fp8-without $FP8_WITHOUT} \
