@@ -251,7 +251,8 @@ def embedding_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Pa
     tokens, h = layout.micro_batch_size * model.seq_length, model.hidden_size
     # Lookup (+ position lookup and add), the [b, s, h] -> [s, b, h] transpose copy, and above TP=1 the
     # clone of _ReduceFromRegion before the TP sum.
-    fwd = _passes(cluster, tokens * h * elem * (3 + 2 + (2 if t > 1 else 0)), 4 if t > 1 else 3)
+    clone = 1 if t > 1 else 0
+    fwd = _passes(cluster, tokens * h * elem * (3 + 2 + 2 * clone), 3 + clone)
     bwd = _passes(cluster, _tied_weight_grad_bytes(model, layout, model.vocab(t) // t) + tokens * h * elem, 3)
     group = group_of(cluster, t, 1)
     rope = model.position_embedding_type == "rope"  # only then is the TP sum a reduce-scatter (gpt.py)

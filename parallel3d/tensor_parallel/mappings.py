@@ -18,10 +18,12 @@ from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
 from .utils import group_rank_and_size, resolve_tp_group, tp_collective
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if group is None or dist.get_world_size(group) == 1:
+def _all_reduce(x: torch.Tensor, group, copy: bool = False) -> torch.Tensor:
+    """Sum ``x`` over ``group`` in place; with ``copy``, in a contiguous copy, so the caller's tensor keeps
+    its value. One rank sums nothing and copies nothing."""
+    if group_rank_and_size(group)[1] == 1:
         return x
-    x = x.contiguous()
+    x = x.clone(memory_format=torch.contiguous_format) if copy else x.contiguous()
     with tp_collective("all-reduce", group):
         dist.all_reduce(x, group=group)
     return x
@@ -96,11 +98,7 @@ class _CopyToRegion(torch.autograd.Function):
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        # The all-reduce runs in place, so on a copy: the caller's tensor keeps its value. One rank reduces
-        # nothing and copies nothing (the copy was two [s, b, h] clones a layer at TP=1).
-        if group is None or dist.get_world_size(group) == 1:
-            return x
-        return _all_reduce(x.clone(), group)
+        return _all_reduce(x, group, copy=True)
 
     @staticmethod
     def backward(ctx, grad):
