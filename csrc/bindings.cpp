@@ -48,10 +48,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_fwd", &p3d::layer_norm_fwd, py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("eps"));
   m.def("layer_norm_bwd", &p3d::layer_norm_bwd, py::arg("dy"), py::arg("x"), py::arg("mean"),
-        py::arg("rstd"), py::arg("weight"), py::arg("has_bias"));
+        py::arg("rstd"), py::arg("weight"), py::arg("has_bias"), py::arg("dresidual") = py::none());
   m.def("rms_norm_fwd", &p3d::rms_norm_fwd, py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("rms_norm_bwd", &p3d::rms_norm_bwd, py::arg("dy"), py::arg("x"), py::arg("rstd"),
-        py::arg("weight"));
+        py::arg("weight"), py::arg("dresidual") = py::none());
 
   m.def("rope_apply", &p3d::rope_apply, py::arg("ts"), py::arg("cos"), py::arg("sin"), py::arg("outs"),
         py::arg("backward"));

@@ -14,8 +14,9 @@ std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& we
 
 std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
                                        const at::Tensor& mean, const at::Tensor& rstd,
-                                       const at::Tensor& weight, bool has_bias) {
-  return norm_bwd<false>(dy, x, mean, rstd, weight, has_bias, "layer_norm backward");
+                                       const at::Tensor& weight, bool has_bias,
+                                       const std::optional<at::Tensor>& dresidual) {
+  return norm_bwd<false>(dy, x, mean, rstd, weight, has_bias, dresidual, "layer_norm backward");
 }
 
 }  // namespace p3d

@@ -137,8 +137,8 @@ template <typename T, int VEC, int P, bool RMS>
 __global__ void __launch_bounds__(kMaxRowBlockThreads)
     norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                     const float* __restrict__ mean_in, const float* __restrict__ rstd_in,
-                    const T* __restrict__ w, T* __restrict__ dx, float* __restrict__ part,
-                    int64_t rows, int64_t h, bool with_db) {
+                    const T* __restrict__ w, const T* __restrict__ dres, T* __restrict__ dx,
+                    float* __restrict__ part, int64_t rows, int64_t h, bool with_db) {
   // Per row group: dw slots then (LayerNorm) db slots, P * VEC * blockDim.x
   // each (AccSlots).
   extern __shared__ __align__(16) float acc_all[];
@@ -198,11 +198,13 @@ __global__ void __launch_bounds__(kMaxRowBlockThreads)
     for (int k = 0; k < P; ++k) {
       const int64_t i = frag_index(k);
       if (i >= nvec) continue;
-      Pack<T, VEC> o;
+      Pack<T, VEC> o, rp;
+      if (dres != nullptr) rp = load_pack<T, VEC>(dres + r * h + i * VEC);
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
         const float xh = (xf.f(k, v) - mean) * rstd;
-        o.v[v] = static_cast<T>(rstd * (gf.f(k, v) * wf.f(k, v) - c1 - xh * c2));
+        const float g = rstd * (gf.f(k, v) * wf.f(k, v) - c1 - xh * c2);
+        o.v[v] = static_cast<T>(dres != nullptr ? g + static_cast<float>(rp.v[v]) : g);
       }
       store_pack<T, VEC>(dx + r * h + i * VEC, o);
     }
@@ -274,14 +276,19 @@ std::vector<at::Tensor> norm_fwd(const at::Tensor& x, const at::Tensor& w,
   return {y, mean, rstd};
 }
 
-// Backward: returns {dx, dweight, dbias (if has_bias)}.
+// Backward: returns {dx, dweight, dbias (if has_bias)}. With `dres` (the gradient of the residual
+// branch that reads the same x), dx is the norm's input gradient plus dres, added in fp32 and rounded
+// once: autograd's separate add of the two (a read of two tensors and a write) does not run.
 template <bool RMS>
 std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
                                  const at::Tensor& rstd, const at::Tensor& w, bool has_bias,
-                                 const char* name) {
+                                 const std::optional<at::Tensor>& dres, const char* name) {
   norm_check(x, w, std::nullopt, name);
   TORCH_CHECK(dy.is_contiguous() && dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
               name, ": grad must be contiguous with x's shape and dtype");
+  TORCH_CHECK(!dres || (dres->is_contiguous() && dres->sizes() == x.sizes() &&
+                        dres->scalar_type() == x.scalar_type() && dres->device() == x.device()),
+              name, ": the residual's gradient must be contiguous with x's shape, dtype and device");
   const int64_t rows = x.size(0), h = x.size(1);
   TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == rows, name,
               ": rstd must be float32 with one entry per row");
@@ -320,12 +327,13 @@ std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, cons
         part = new_output({grid, with_db ? 2 * h : h}, x.options().dtype(at::kFloat));
         kernel<<<static_cast<unsigned>(grid), g.block, smem, stream>>>(
             dy.data_ptr<T>(), x.data_ptr<T>(), RMS ? nullptr : mean.data_ptr<float>(),
-            rstd.data_ptr<float>(), w.data_ptr<T>(), dx.data_ptr<T>(), part.data_ptr<float>(), rows,
-            h, with_db);
+            rstd.data_ptr<float>(), w.data_ptr<T>(), dres ? dres->data_ptr<T>() : nullptr, dx.data_ptr<T>(),
+            part.data_ptr<float>(), rows, h, with_db);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     };
-    dispatch_vec<T>(use_vec<T>(h, {dy.data_ptr(), x.data_ptr(), w.data_ptr(), dx.data_ptr()}), launch);
+    dispatch_vec<T>(use_vec<T>(h, {dy.data_ptr(), x.data_ptr(), w.data_ptr(), dx.data_ptr(),
+                                   dres ? dres->data_ptr() : nullptr}), launch);
   });
   // One stage-2 pass for dw and db together; they come back as two halves of one tensor.
   at::Tensor sums = sum_partials(part, w.scalar_type());

@@ -42,16 +42,18 @@ std::vector<at::Tensor> bias_dropout_add_bwd(const at::Tensor& dy, const at::Ten
 // layer_norm.cu: x [rows, h]; returns {y, mean, rstd}
 std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& weight,
                                        const std::optional<at::Tensor>& bias, double eps);
-// returns {dx, dweight, dbias (only when has_bias)}
+// returns {dx, dweight, dbias (only when has_bias)}; with dresidual, dx includes it (added in fp32)
 std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
                                        const at::Tensor& mean, const at::Tensor& rstd,
-                                       const at::Tensor& weight, bool has_bias);
+                                       const at::Tensor& weight, bool has_bias,
+                                       const std::optional<at::Tensor>& dresidual);
 
 // rms_norm.cu: x [rows, h]; returns {y, rstd}
 std::vector<at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& weight, double eps);
-// returns {dx, dweight}
+// returns {dx, dweight}; with dresidual, dx includes it (added in fp32)
 std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
-                                     const at::Tensor& rstd, const at::Tensor& weight);
+                                     const at::Tensor& rstd, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& dresidual);
 
 // rope.cu: each of ts (1 or 2 tensors, e.g. q and k) and outs is an [s, b, h, d]
 // view (any strides, last dim contiguous; h may differ between the two); cos and

@@ -11,8 +11,9 @@ std::vector<at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& weig
 }
 
 std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
-                                     const at::Tensor& rstd, const at::Tensor& weight) {
-  return norm_bwd<true>(dy, x, at::Tensor(), rstd, weight, false, "rms_norm backward");
+                                     const at::Tensor& rstd, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& dresidual) {
+  return norm_bwd<true>(dy, x, at::Tensor(), rstd, weight, false, dresidual, "rms_norm backward");
 }
 
 }  // namespace p3d

@@ -36,15 +36,20 @@ class TransformerLayer(nn.Module):
         with dropout_rng(cfg.sequence_parallel, self.training and cfg.hidden_dropout > 0):
             return self.bias_dropout_add(out, bias, residual, cfg.hidden_dropout, self.training)
 
+    def _norm(self, norm: Norm, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normed input of a sub-block, the residual added back after it)."""
+        if self.config.apply_residual_connection_post_layernorm:
+            normed = norm(x)
+            return normed, normed
+        return norm.with_residual(x)
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 rotary_pos_emb: Optional[torch.Tensor],
                 inference_params: Optional[InferenceParams] = None) -> torch.Tensor:
-        post_ln_residual = self.config.apply_residual_connection_post_layernorm
-        normed = self.input_layernorm(hidden_states)
+        normed, residual = self._norm(self.input_layernorm, hidden_states)
         attention = self.self_attention(normed, attention_mask, rotary_pos_emb, inference_params)
-        hidden_states = self._residual(attention, normed if post_ln_residual else hidden_states)
-        normed = self.pre_mlp_layernorm(hidden_states)
-        return self._residual(self.mlp(normed), normed if post_ln_residual else hidden_states)
+        normed, residual = self._norm(self.pre_mlp_layernorm, self._residual(attention, residual))
+        return self._residual(self.mlp(normed), residual)
 
 
 def compile_layer(layer: nn.Module, config: TransformerConfig) -> None:

@@ -5,7 +5,14 @@ import torch
 from torch import nn
 
 from parallel3d.device import default_device
-from parallel3d.fused import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from parallel3d.fused import (
+    layer_norm,
+    layer_norm_reference,
+    layer_norm_with_residual,
+    rms_norm,
+    rms_norm_reference,
+    rms_norm_with_residual,
+)
 
 from .config import TransformerConfig
 
@@ -32,3 +39,12 @@ class Norm(nn.Module):
         if self.rms:
             return (rms_norm if self.fused else rms_norm_reference)(x, self.weight, self.eps)
         return (layer_norm if self.fused else layer_norm_reference)(x, self.weight, self.bias, self.eps)
+
+    def with_residual(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x), x) for a pre-norm layer's residual: fused, x's two gradients are summed in the norm's
+        backward kernel (fused.layer_norm_with_residual); unfused, autograd sums them as for any reuse of x."""
+        if not self.fused:
+            return self(x), x
+        if self.rms:
+            return rms_norm_with_residual(x, self.weight, self.eps)
+        return layer_norm_with_residual(x, self.weight, self.bias, self.eps)

@@ -1,6 +1,7 @@
 """parallel3d.fused LayerNorm and RMSNorm against fp64 references: the CPU fallbacks and the CUDA kernels."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import parallel3d.fused as fused
 from parallel3d.fused import _ext
@@ -119,6 +120,100 @@ def test_layer_norm_no_bias_and_non_contiguous_gpu(poisoned, dtype):
 @pytest.mark.parametrize("rows,hidden", NORM_GPU_ROWS_HIDDEN)
 def test_rms_norm_gpu(poisoned, dtype, rows, hidden):
     _check_rms_norm("cuda", dtype, rows, hidden)
+
+
+def _check_norm_with_residual(device, dtype, rows, hidden, rms):
+    """(norm(x), x) with the residual's gradient summed into x's by the norm's backward kernel: the output
+    y + r / 2 and every gradient against fp64."""
+    x = randn(rows, hidden, dtype=dtype, device=device, scale=3.0) + 0.5
+    w = randn(hidden, dtype=dtype, device=device)
+    if rms:
+        fn = lambda x, w: _plus_half(*fused.rms_norm_with_residual(x, w, 1e-6))  # noqa: E731
+        ref = lambda x, w: ref_rms_norm(x, w, 1e-6) + x / 2  # noqa: E731
+        args, idx = [x, w], [0, 1]
+    else:
+        b = randn(hidden, dtype=dtype, device=device)
+        fn = lambda x, w, b: _plus_half(*fused.layer_norm_with_residual(x, w, b, 1e-5))  # noqa: E731
+        ref = lambda x, w, b: ref_layer_norm(x, w, b, 1e-5) + x / 2  # noqa: E731
+        args, idx = [x, w, b], [0, 1, 2]
+    check_against_reference(fn, ref, args, idx, TOL[dtype],
+                            floors={0: _norm_dx_floor(rms), 1: lambda a, dy: dy.norm().item()})
+
+
+def _plus_half(y, residual):
+    return y + residual / 2
+
+
+class _NormExtOnCpu:
+    """The norm kernels' contract in plain PyTorch on the CPU (fp32), recording whether backward got the
+    residual's gradient: the wiring of the with_residual Functions, testable without a GPU."""
+
+    def __init__(self):
+        self.dresiduals = []
+
+    def _fwd(self, x, w, b, eps, rms):
+        xf = x.float()
+        mean = torch.zeros(x.shape[0]) if rms else xf.mean(-1)
+        var = (xf ** 2).mean(-1) if rms else ((xf - mean[:, None]) ** 2).mean(-1)
+        rstd = torch.rsqrt(var + eps)
+        y = (xf - mean[:, None]) * rstd[:, None] * w.float() + (b.float() if b is not None else 0)
+        return y.to(x.dtype), mean, rstd
+
+    def _bwd(self, dy, x, eps_unused, w, b, dres, rms):
+        self.dresiduals.append(dres)
+        with torch.enable_grad():  # (backward runs without it)
+            xr = x.detach().float().requires_grad_()
+            wr, br = w.detach().float().requires_grad_(), None if b is None else b.detach().float().requires_grad_()
+            y = F.rms_norm(xr, (x.shape[-1],), wr, 1e-6) if rms else F.layer_norm(xr, (x.shape[-1],), wr, br, 1e-5)
+            grads = torch.autograd.grad(y, [xr, wr] + ([br] if br is not None else []), dy.float())
+        dx = grads[0] + (dres.float() if dres is not None else 0)
+        return [dx.to(x.dtype)] + [g.to(w.dtype) for g in grads[1:]]
+
+    def layer_norm_fwd(self, x, w, b, eps):
+        return list(self._fwd(x, w, b, eps, False))
+
+    def layer_norm_bwd(self, dy, x, mean, rstd, w, has_bias, dresidual=None):
+        return self._bwd(dy, x, None, w, w if has_bias else None, dresidual, False)  # (a bias's value: no gradient)
+
+    def rms_norm_fwd(self, x, w, eps):
+        y, _, rstd = self._fwd(x, w, None, eps, True)
+        return [y, rstd]
+
+    def rms_norm_bwd(self, dy, x, rstd, w, dresidual=None):
+        return self._bwd(dy, x, None, w, None, dresidual, True)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_with_residual_adds_the_residual_gradient_in_the_kernel_cpu(monkeypatch, rms):
+    ext = _NormExtOnCpu()
+    monkeypatch.setattr(_ext, "get_ext", lambda: ext)
+    monkeypatch.setattr(_ext, "use_kernel", lambda *tensors: True)
+    torch.manual_seed(0)
+    x = torch.randn(6, 16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    b = None if rms else torch.randn(16, requires_grad=True)
+    h = x * 1.0  # a non-leaf, as a layer's input is
+    y, residual = fused.rms_norm_with_residual(h, w, 1e-6) if rms else fused.layer_norm_with_residual(h, w, b, 1e-5)
+    assert torch.equal(residual, h)
+    (y * 3 + residual * 5).sum().backward()
+    assert len(ext.dresiduals) == 1 and torch.equal(ext.dresiduals[0], torch.full((6, 16), 5.0)), \
+        "the residual's gradient did not reach the norm's backward kernel"
+    params = [w] + ([b] if b is not None else [])
+    got = [t.grad.clone() for t in [x] + params]
+    for t in [x] + params:
+        t.grad = None
+    norm = lambda t: F.rms_norm(t, (16,), w, 1e-6) if rms else F.layer_norm(t, (16,), w, b, 1e-5)  # noqa: E731
+    (norm(x * 1.0) * 3 + x * 5).sum().backward()
+    for g, t in zip(got, [x] + params):
+        torch.testing.assert_close(g, t.grad, rtol=1e-5, atol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 1), (3, 7), (257, 2048), (3, 16383), (20000, 64)])
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_with_residual_gpu(poisoned, dtype, rows, hidden, rms):
+    _check_norm_with_residual("cuda", dtype, rows, hidden, rms)
 
 
 @gpu

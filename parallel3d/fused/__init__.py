@@ -21,8 +21,8 @@ from parallel3d.fused.bias_swiglu import bias_swiglu, bias_swiglu_reference
 from parallel3d.fused.cross_entropy import cross_entropy
 from parallel3d.fused.fp8_cast import fp8_cast, fp8_cast_reference
 from parallel3d.fused.grad_accum import wgrad_accumulate, wgrad_accumulate_fp8, wgrad_accumulate_fp8_reference
-from parallel3d.fused.layer_norm import layer_norm, layer_norm_reference
-from parallel3d.fused.rms_norm import rms_norm, rms_norm_reference
+from parallel3d.fused.layer_norm import layer_norm, layer_norm_reference, layer_norm_with_residual
+from parallel3d.fused.rms_norm import rms_norm, rms_norm_reference, rms_norm_with_residual
 from parallel3d.fused.rope import apply_rotary_pos_emb, apply_rotary_pos_emb_qk, apply_rotary_pos_emb_reference
 from parallel3d.fused.softmax import scaled_upper_triang_masked_softmax, scaled_upper_triang_masked_softmax_reference
 
@@ -43,8 +43,10 @@ __all__ = [
     "fusion_enabled",
     "layer_norm",
     "layer_norm_reference",
+    "layer_norm_with_residual",
     "rms_norm",
     "rms_norm_reference",
+    "rms_norm_with_residual",
     "scaled_upper_triang_masked_softmax",
     "scaled_upper_triang_masked_softmax_reference",
     "set_fusion_enabled",

@@ -10,22 +10,25 @@ from __future__ import annotations
 import torch
 
 from parallel3d.fused import _ext
-from parallel3d.fused.layer_norm import check_norm_args, kernel_ok
+from parallel3d.fused.layer_norm import check_norm_args, kernel_ok, residual_grad_2d
 
 
 class _RMSNormFunction(torch.autograd.Function):
+    """y = rms_norm(x); with ``residual``, also x itself, as _LayerNormFunction does."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: bool):
         x2d = x.reshape(-1, x.shape[-1])
         y, rstd = _ext.get_ext().rms_norm_fwd(x2d, weight, eps)
         ctx.save_for_backward(x2d, weight, rstd)
-        return y.view(x.shape)
+        return (y.view(x.shape), x) if residual else y.view(x.shape)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx, dy: torch.Tensor, dres: torch.Tensor | None = None):
         x2d, weight, rstd = ctx.saved_tensors
-        dx, dw = _ext.get_ext().rms_norm_bwd(dy.contiguous().view(x2d.shape), x2d, rstd, weight)
-        return dx.view(dy.shape), dw, None
+        dx, dw = _ext.get_ext().rms_norm_bwd(dy.contiguous().view(x2d.shape), x2d, rstd, weight,
+                                             residual_grad_2d(dres, x2d))
+        return dx.view(dy.shape), dw, None, None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,5 +44,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
     """RMSNorm over the last dimension."""
     check_norm_args("rms_norm", x, weight, None, eps)
     if kernel_ok(x, weight):
-        return _RMSNormFunction.apply(x.contiguous(), weight.contiguous(), float(eps))
+        return _RMSNormFunction.apply(x.contiguous(), weight.contiguous(), float(eps), False)
     return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x), x): the residual's gradient added in the norm's backward kernel (layer_norm_with_residual)."""
+    check_norm_args("rms_norm", x, weight, None, eps)
+    if kernel_ok(x, weight):
+        return _RMSNormFunction.apply(x.contiguous(), weight.contiguous(), float(eps), True)
+    return rms_norm_reference(x, weight, eps), x
