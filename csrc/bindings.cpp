@@ -29,6 +29,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wgrad_gemm_accum_fp8", &p3d::wgrad_gemm_accum_fp8, "main_grad += a @ b^T (FP8 operands, scales)",
         py::arg("a"), py::arg("a_scale_inv"), py::arg("b"), py::arg("b_scale_inv"), py::arg("main_grad"));
 
+  m.def("adamw_master_step", &p3d::adamw_master_step, "AdamW over fp32 masters, clip folded in, model copy written",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("model_params"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
+        py::arg("grad_scale"));
+
   m.def("fp8_cast", &p3d::fp8_cast, "FP8 operand cast, row and/or transposed layout, and its scales",
         py::arg("x"), py::arg("s"), py::arg("mode"), py::arg("from_amax"), py::arg("e5m2"), py::arg("row"),
         py::arg("col"));

@@ -18,6 +18,13 @@ void wgrad_gemm_accum_fp32(const at::Tensor& input, const at::Tensor& grad_outpu
 void wgrad_gemm_accum_fp8(const at::Tensor& a, const at::Tensor& a_scale_inv, const at::Tensor& b,
                           const at::Tensor& b_scale_inv, at::Tensor& main_grad);
 
+// adam.cu: AdamW over fp32 masters in one pass: gradients scaled by grad_scale (the clip), the moments
+// and masters updated in place, the bf16/fp16 model copies written (model_params may be empty).
+void adamw_master_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                       const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                       const std::vector<at::Tensor>& model_params, double lr, double beta1, double beta2,
+                       double eps, double weight_decay, int64_t step, double grad_scale);
+
 // bias_gelu.cu
 at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                          bool approximate_tanh);

@@ -425,3 +425,47 @@ def test_num_zeros_in_grad():
     finalize_model_grads([ddp])
     ok, norm, zeros = opt.step()
     assert ok and zeros == 3 and norm > 0
+
+
+def _clipped_bf16_run(fused_path, monkeypatch, steps=3):
+    """A bf16 model (a decayed and a not-decayed group) trained with clipping active: masters, model copies,
+    moments and steps after ``steps`` steps, with the one-pass step (fused.adamw_master_step) or without."""
+    import parallel3d.distributed.optimizer as optimizer_module
+
+    calls = []
+    real = optimizer_module.adamw_master_step
+    monkeypatch.setattr(optimizer_module, "adam_kernel_applies", lambda *a: fused_path)
+    monkeypatch.setattr(optimizer_module, "adamw_master_step", lambda *a, **k: (calls.append(a), real(*a, **k)))
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3)).to(torch.bfloat16)
+    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, bf16=True, params_dtype=torch.bfloat16,
+                                                 clip_grad=0.05), [ddp])
+    versions = [p._version for p in model.parameters()]
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        opt.zero_grad()
+        ddp(torch.randn(5, 6, generator=g).to(torch.bfloat16)).float().pow(2).sum().backward()
+        finalize_model_grads([ddp])
+        ok, norm, _ = opt.step()
+        assert ok and norm > 0.05  # clipping is active
+    assert all(p._version > v for p, v in zip(model.parameters(), versions)), "model versions not bumped"
+    state = opt.state_dict()
+    return calls, [p.detach().clone() for p in model.parameters()], state
+
+
+def test_one_pass_adam_step_equals_clip_step_and_copy(monkeypatch):
+    """MixedPrecisionOptimizer's fused path (what runs on GPUs with the kernels; here the kernel's PyTorch
+    reference) against the clip, torch's AdamW and the copy: the same masters, model weights and moments,
+    in the torch optimizer's own state (checkpoints unchanged), with the clip passed as the gradient scale."""
+    calls, fused_weights, fused_state = _clipped_bf16_run(True, monkeypatch)
+    plain_calls, plain_weights, plain_state = _clipped_bf16_run(False, monkeypatch)
+    assert len(calls) == 3 * 2 and not plain_calls  # a call per param group per step
+    assert all(0 < c[-1] < 1 for c in calls), "the clip coefficient is the gradient scale"
+    assert {c[9] for c in calls} == {0.1, 0.0}, "each group's weight decay"
+    assert fused_state["step"] == plain_state["step"] == 3
+    for a, b in zip(fused_weights, plain_weights):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the bf16 model copies round to the same weights
+    for name, entry in plain_state["params"][0].items():
+        for k, t in entry.items():
+            torch.testing.assert_close(fused_state["params"][0][name][k], t, rtol=1e-6, atol=1e-7)

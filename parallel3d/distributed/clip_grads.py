@@ -66,10 +66,19 @@ def get_grad_norm_fp32(
     return float(total.item()) ** (1.0 / norm_type)
 
 
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """The factor clipping scales the gradients by: max_norm / total_norm (torch's formula) where the norm
+    exceeds max_norm, else 1. ``max_norm`` 0: no clipping (Megatron's --clip-grad 0)."""
+    if max_norm <= 0.0:
+        return 1.0
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    return clip_coeff if clip_coeff < 1.0 else 1.0
+
+
 @torch.no_grad()
 def clip_grad_by_total_norm_fp32(grads: Sequence[torch.Tensor], max_norm: float, total_norm: float) -> None:
-    """Scale ``grads`` in place by max_norm / total_norm when the norm exceeds max_norm (torch's formula)."""
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    """Scale ``grads`` in place by ``clip_coefficient`` where it is below 1."""
+    clip_coeff = clip_coefficient(max_norm, total_norm)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(list(grads), clip_coeff)
 

@@ -31,9 +31,11 @@ from torch import nn
 
 from parallel3d import parallel_state as ps
 from parallel3d.collectives import all_reduce_over
+from parallel3d.fused.adam import adamw_master_step, use_kernel as adam_kernel_applies
 from parallel3d.model_chunk import is_first_stage_chunk, shared_weight
 
 from .clip_grads import (
+    clip_coefficient,
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     get_grad_norm_fp32,
@@ -224,6 +226,9 @@ class MegatronOptimizer:
         parameter buffer, which autograd does not see: bumping the parameters' versions tells caches keyed
         on them (the FP8 weight cache, tensor_parallel/fp8.py) that the weights changed."""
         self._copy_main_params_to_model_params()
+        self._bump_model_param_versions()
+
+    def _bump_model_param_versions(self) -> None:
         for p in (p for chunk in self.model_chunks for p in chunk.parameters()):
             torch.autograd.graph.increment_version(p)  # one tensor a call: torch 2.3 takes no list
 
@@ -290,15 +295,23 @@ class MegatronOptimizer:
         if self.config.check_for_nan_in_grad and not math.isfinite(grad_norm):
             self._release_main_grads()  # the norm is a host float already: the check costs no sync
             return False, grad_norm, None
-        if self.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
         num_zeros = count_zeros_fp32(grads_for_norm, groups, self.device) if self.config.log_num_zeros_in_grad \
             else None
-        self.optimizer.step()
-        self._release_main_grads()
-        self._publish_model_params()
+        if self._fused_step(clip_coefficient(self.config.clip_grad, grad_norm)):
+            self._release_main_grads()
+            self._bump_model_param_versions()
+        else:
+            clip_grad_by_total_norm_fp32(grads, self.config.clip_grad, grad_norm)
+            self.optimizer.step()
+            self._release_main_grads()
+            self._publish_model_params()
         self.num_steps += 1
         return True, grad_norm, num_zeros
+
+    def _fused_step(self, grad_scale: float) -> bool:
+        """The clip (``grad_scale``), the update and the copy into the model in one pass, where a subclass
+        can: True if it ran. Else the three run apart."""
+        return False
 
     # ------------------------------------------------------------------ checkpoints
     def _set_optimizer_state(self, main: torch.Tensor, tensors: dict[str, torch.Tensor], step: int) -> None:
@@ -401,6 +414,43 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     def _copy_main_params_to_model_params(self) -> None:
         if self._half_pairs:
             torch._foreach_copy_([p.data for p, _ in self._half_pairs], [m for _, m in self._half_pairs])
+
+    @torch.no_grad()
+    def _fused_step(self, grad_scale: float) -> bool:
+        """Adam on GPUs with the CUDA kernels: fused.adamw_master_step, group by group, the masters with a
+        half-precision model copy apart from the fp32 parameters that are their own masters. The state is the
+        torch optimizer's (its checkpoints and its own step() read the same tensors)."""
+        if self.config.optimizer != "adam":
+            return False
+        model_of = {id(m): p for p, m in self._half_pairs}
+        calls = []
+        for group in self.optimizer.param_groups:
+            for half in (True, False):
+                mains = [m for m in group["params"] if (id(m) in model_of) == half]
+                if mains:
+                    calls.append((group, mains, [model_of[id(m)].data for m in mains] if half else []))
+        tensors = [m for _, mains, _ in calls for m in mains]
+        if not tensors or not adam_kernel_applies((tensors, [m.grad for m in tensors]),
+                                                  [p for _, _, ps in calls for p in ps]):
+            return False
+        step = self.num_steps + 1  # the masters step together: every state's step is num_steps
+        for group, mains, models in calls:
+            states = [self._adam_state(m) for m in mains]
+            beta1, beta2 = group["betas"]
+            adamw_master_step(mains, [m.grad for m in mains], [s["exp_avg"] for s in states],
+                              [s["exp_avg_sq"] for s in states], models, group["lr"], beta1, beta2, group["eps"],
+                              group["weight_decay"], step, grad_scale)
+            torch._foreach_add_([s["step"] for s in states], 1.0)
+        return True
+
+    def _adam_state(self, main: torch.Tensor) -> dict:
+        """The torch optimizer's state of ``main``, created as its fused AdamW creates it on a first step."""
+        state = self.optimizer.state[main]
+        if "exp_avg" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=main.device)
+            state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+        return state
 
     def _grad_stats_groups(self) -> tuple:
         return (self.model_parallel_group,)

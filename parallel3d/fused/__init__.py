@@ -15,6 +15,7 @@ The fallbacks compute as the kernels do (fp32 statistics and math for bf16/fp16 
 unfused softmax and RoPE pass ``in_fp32=False`` to keep Megatron's unfused numerics (the input's dtype).
 """
 from parallel3d.fused._ext import describe, fusion_enabled, set_fusion_enabled
+from parallel3d.fused.adam import adamw_master_step, adamw_master_step_reference
 from parallel3d.fused.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
 from parallel3d.fused.bias_gelu import bias_gelu, bias_gelu_reference
 from parallel3d.fused.bias_swiglu import bias_swiglu, bias_swiglu_reference
@@ -27,6 +28,8 @@ from parallel3d.fused.rope import apply_rotary_pos_emb, apply_rotary_pos_emb_qk,
 from parallel3d.fused.softmax import scaled_upper_triang_masked_softmax, scaled_upper_triang_masked_softmax_reference
 
 __all__ = [
+    "adamw_master_step",
+    "adamw_master_step_reference",
     "apply_rotary_pos_emb",
     "apply_rotary_pos_emb_qk",
     "apply_rotary_pos_emb_reference",
