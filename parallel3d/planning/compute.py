@@ -220,9 +220,9 @@ def _layer_elementwise(model: ModelSpec, layout: Layout, forward: bool) -> float
         if t > 1 and not layout.sequence_parallel:  # _ReduceFromRegion clones linear_proj's and linear_fc2's
             n += tokens * h * 2 * 2  # output before their in-place all-reduces
         return n
-    n = rows * h * 2 * 3  # two norm backwards: read x and dy, write dx
+    n = rows * h * 2 * 4  # two norm backwards: read x, dy and the residual's gradient, write dx (the kernel
+    # sums the residual's gradient into dx: fused.layer_norm_with_residual, no separate autograd add)
     n += rows * h * 2 * (3 + mask)  # two bias-dropout-add backwards (grad, bias-grad reduction, mask)
-    n += rows * h * 2 * 3  # autograd sums the residual's gradient with the branch's, twice: read 2, write 1
     n += tokens * (2 * fc1 + ffn)  # activation backward: read dy and x, write dx (and the fc1 bias gradient
     # from the same pass: the fused kernel's partial sums in registers)
     n += tokens * rope
@@ -295,13 +295,18 @@ def optimizer_time(params_on_rank: int, layout: Layout, cluster: ClusterSpec) ->
     - the fp32 main_grad buffer is zeroed once, 4 (optimizer.zero_grad() at the step's start);
     - with DP > 1 each bucket is scaled by 1/DP before its reduction, read 4 + write 4;
     - on the shard it steps (1/DP of the parameters under ZeRO-1): the gradient norm reads the
-      gradient (4), clipping scales it in place (8: --clip-grad 1.0 fires while the norm is above
-      1, which is the case early in training and in the benchmarks; assumed), fused Adam reads
-      master, grad, m, v and writes master, m, v (28; at ``optimizer_gbs`` where calibrated), and
-      bf16 training copies the master into the bf16 parameter (6).
+      gradient (4) and fused Adam reads master, grad, m, v and writes master, m, v (28; at
+      ``optimizer_gbs`` where calibrated);
+    - without ZeRO-1, our one-pass AdamW (fused.adamw_master_step) takes the clip as its gradient
+      scale and writes the bf16 parameter beside its master (2 more in the same pass);
+    - under ZeRO-1 the three run apart: clipping scales the gradient in place (8: --clip-grad 1.0
+      fires while the norm is above 1, early in training and in the benchmarks; assumed), torch's
+      fused Adam, and bf16 training's copy of the master into the bf16 parameter (6).
     """
     shard = params_on_rank / (layout.dp if layout.use_distributed_optimizer else 1)
     other = 4 * params_on_rank + (8 * params_on_rank if layout.dp > 1 else 0)
-    other += (4 + 8 + (6 if layout.bf16 else 0)) * shard
+    one_pass = not layout.use_distributed_optimizer
+    other += (4 + (0 if one_pass else 8 + (6 if layout.bf16 else 0))) * shard
+    adam = 28 + (2 if one_pass and layout.bf16 else 0)
     adam_gbs = cluster.optimizer_gbs or cluster.copy_gbs * cluster.elementwise_efficiency
-    return _passes(cluster, other, 12) + 28 * shard / (adam_gbs * 1e9)
+    return _passes(cluster, other, 12) + adam * shard / (adam_gbs * 1e9)
