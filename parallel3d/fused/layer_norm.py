@@ -66,12 +66,7 @@ def kernel_ok(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5) -> torch.Tensor:
     """LayerNorm over the last dimension: ``(x - mean) / sqrt(var + eps) * weight + bias`` (bias may be None)."""
-    check_norm_args("layer_norm", x, weight, bias, eps)
-    if kernel_ok(x, weight, bias):
-        return _LayerNormFunction.apply(
-            x.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else None, float(eps), False
-        )
-    return layer_norm_reference(x, weight, bias, eps)
+    return _layer_norm(x, weight, bias, eps, residual=False)
 
 
 def layer_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -79,12 +74,17 @@ def layer_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     """(layer_norm(x), x) for a pre-norm layer, whose residual branch reads x beside the norm. x's gradient
     is then the sum of the two branches'; the kernel adds the residual's inside the norm's backward pass
     instead of autograd adding the two afterwards (one pass over three [rows, hidden] tensors fewer)."""
+    return _layer_norm(x, weight, bias, eps, residual=True)
+
+
+def _layer_norm(x, weight, bias, eps, residual: bool):
     check_norm_args("layer_norm", x, weight, bias, eps)
     if kernel_ok(x, weight, bias):
         return _LayerNormFunction.apply(
-            x.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else None, float(eps), True
+            x.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else None, float(eps), residual
         )
-    return layer_norm_reference(x, weight, bias, eps), x
+    y = layer_norm_reference(x, weight, bias, eps)
+    return (y, x) if residual else y
 
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:

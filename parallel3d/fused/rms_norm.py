@@ -42,16 +42,18 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """RMSNorm over the last dimension."""
-    check_norm_args("rms_norm", x, weight, None, eps)
-    if kernel_ok(x, weight):
-        return _RMSNormFunction.apply(x.contiguous(), weight.contiguous(), float(eps), False)
-    return rms_norm_reference(x, weight, eps)
+    return _rms_norm(x, weight, eps, residual=False)
 
 
 def rms_norm_with_residual(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x), x): the residual's gradient added in the norm's backward kernel (layer_norm_with_residual)."""
+    return _rms_norm(x, weight, eps, residual=True)
+
+
+def _rms_norm(x, weight, eps, residual: bool):
     check_norm_args("rms_norm", x, weight, None, eps)
     if kernel_ok(x, weight):
-        return _RMSNormFunction.apply(x.contiguous(), weight.contiguous(), float(eps), True)
-    return rms_norm_reference(x, weight, eps), x
+        return _RMSNormFunction.apply(x.contiguous(), weight.contiguous(), float(eps), residual)
+    y = rms_norm_reference(x, weight, eps)
+    return (y, x) if residual else y
