@@ -69,5 +69,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_fwd", &p3d::cross_entropy_fwd, py::arg("x"), py::arg("target"), py::arg("vocab"),
         py::arg("smoothing"));
   m.def("cross_entropy_bwd", &p3d::cross_entropy_bwd, py::arg("x"), py::arg("target"), py::arg("lse"),
-        py::arg("grad_loss"), py::arg("vocab"), py::arg("smoothing"));
+        py::arg("grad_loss"), py::arg("vocab"), py::arg("smoothing"), py::arg("inplace"));
 }

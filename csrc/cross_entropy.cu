@@ -70,8 +70,8 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_fwd_kernel(
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) cross_entropy_bwd_kernel(
-    const T* __restrict__ x, const int64_t* __restrict__ target, const float* __restrict__ lse,
-    const float* __restrict__ grad_loss, T* __restrict__ dx, int64_t rows, int64_t padded, int64_t vocab,
+    const T* x, const int64_t* __restrict__ target, const float* __restrict__ lse,
+    const float* __restrict__ grad_loss, T* dx, int64_t rows, int64_t padded, int64_t vocab,
     float smoothing) {
   const int64_t nvec = padded / VEC;
   const float uniform = smoothing / static_cast<float>(vocab);
@@ -134,7 +134,7 @@ std::vector<at::Tensor> cross_entropy_fwd(const at::Tensor& x, const at::Tensor&
 }
 
 at::Tensor cross_entropy_bwd(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse,
-                             const at::Tensor& grad_loss, int64_t vocab, double smoothing) {
+                             const at::Tensor& grad_loss, int64_t vocab, double smoothing, bool inplace) {
   check_inputs(x, target, vocab, "cross_entropy_bwd");
   const int64_t rows = x.size(0), padded = x.size(1);
   for (const at::Tensor* t : {&lse, &grad_loss}) {
@@ -143,7 +143,9 @@ at::Tensor cross_entropy_bwd(const at::Tensor& x, const at::Tensor& target, cons
                 "cross_entropy_bwd: lse and grad_loss must be contiguous float32 CUDA [rows]");
   }
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor dx = new_output({rows, padded}, x.options());
+  // In place, dx is x: each thread reads a pack of logits and writes its gradient over the same pack
+  // (x and dx are not __restrict__ for that reason), so the logits' memory holds the gradient.
+  at::Tensor dx = inplace ? x : new_output({rows, padded}, x.options());
   if (rows == 0) return dx;
   P3D_DISPATCH_FLOATING(x.scalar_type(), "cross_entropy_bwd", [&] {
     dispatch_vec<scalar_t>(use_vec<scalar_t>(padded, {x.data_ptr(), dx.data_ptr()}), [&](auto vec) {

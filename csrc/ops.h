@@ -75,11 +75,12 @@ at::Tensor scaled_upper_triang_masked_softmax_bwd(const at::Tensor& dy, const at
                                                   double scale);
 
 // cross_entropy.cu: logits [rows, padded] (the first vocab columns real), target int64 [rows];
-// forward returns {loss, lse} (float32 [rows]); backward returns dlogits in the logits' dtype.
+// forward returns {loss, lse} (float32 [rows]); backward returns dlogits in the logits' dtype (inplace:
+// written over x and returned as x).
 std::vector<at::Tensor> cross_entropy_fwd(const at::Tensor& x, const at::Tensor& target, int64_t vocab,
                                           double smoothing);
 at::Tensor cross_entropy_bwd(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse,
-                             const at::Tensor& grad_loss, int64_t vocab, double smoothing);
+                             const at::Tensor& grad_loss, int64_t vocab, double smoothing, bool inplace);
 
 // fp8_cast.cu: x [M, N] -> {q [M, N] or undefined, q^T [N, M] or undefined, scale, 1 / scale};
 // s: the scale, or (from_amax) the amax, one value (mode 0), per row [M, 1] (1) or per column [1, N] (2).

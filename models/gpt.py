@@ -310,7 +310,9 @@ class GPTModel(nn.Module):
         logits, _ = self.output_layer(hidden_states, weight=self.shared_embedding_or_output_weight())  # [s, b, padded_vocab/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=cfg.vocab_size, group=self.tp_group)
+        # The logits are the model's own and unused after the loss: its backward may overwrite them
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), vocab_size=cfg.vocab_size, group=self.tp_group,
+                                            inplace_backward=True)
         loss = loss.t().contiguous()  # [b, s]
         if loss_mask is not None:
             loss = loss * loss_mask.to(loss.dtype)

@@ -148,8 +148,13 @@ def _embedding_and_loss_cases(rank, tp_size, sp):
                                    label_smoothing=smoothing * vocab / (vocab - 1)).reshape(s, b)
         _close(loss, ref_loss, f"cross entropy (smoothing={smoothing})")
         w = torch.rand(s, b)
-        (loss * w).sum().backward()
+        (loss * w).sum().backward(retain_graph=True)
         (ref_loss * w).sum().backward()
+        # the loss works in place on its own copy: the caller's (fp32) logits are left as they were, and the
+        # softmax it held became the gradient, so a second backward raises instead of reusing it
+        assert torch.equal(lp.detach(), _shard(logits_full, 2, r, tp_size)), "the loss changed its input"
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (loss * w).sum().backward()
         full_grad = torch.zeros(s, b, padded)
         full_grad[..., :vocab] = ld.grad
         _close(lp.grad, _shard(full_grad, 2, r, tp_size), f"cross entropy grad (smoothing={smoothing})")

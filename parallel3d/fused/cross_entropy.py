@@ -5,7 +5,11 @@ the uniform term, ``(1 - a) * nll + a * mean(-log p)`` (torch's formula); ``voca
 turns Megatron's alpha into it (``a = alpha * K / (K - 1)``) before calling this.
 
 The kernel (csrc/cross_entropy.cu) reads the logits once forward and once backward and writes the
-gradient once, keeping the logits themselves (bf16: 2 bytes each) for the backward. The PyTorch
+gradient once, keeping the logits themselves (bf16: 2 bytes each) for the backward. With
+``inplace_backward`` it writes the gradient over the logits, as Megatron's loss reuses its input's
+memory: the backward then holds one logits-sized tensor instead of two (a caller whose logits are its
+own, as the GPT model's are). Their version is bumped, so autograd refuses a second backward through
+them or any other use of them saved for a backward. The PyTorch
 fallback runs one log_softmax and keeps its fp32 log-probabilities (4 bytes each); the logits of
 LLaMA-1B's 8192 tokens x 128,256 vocabulary are 1 G elements, so that is 2 GB more and several
 passes more per microbatch.
@@ -21,20 +25,23 @@ from parallel3d.fused import _ext
 
 class _CrossEntropyKernel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, vocab_size):
+    def forward(ctx, logits, target, label_smoothing, vocab_size, inplace_backward):
         x2d = logits.reshape(-1, logits.size(-1))
         t = target.reshape(-1)
         loss, lse = _ext.get_ext().cross_entropy_fwd(x2d, t, vocab_size, label_smoothing)
         ctx.save_for_backward(x2d, t, lse)
         ctx.label_smoothing, ctx.vocab_size, ctx.shape = label_smoothing, vocab_size, logits.shape
+        ctx.inplace = inplace_backward
         return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
         x2d, t, lse = ctx.saved_tensors
         g = grad_loss.reshape(-1).float().contiguous()
-        dx = _ext.get_ext().cross_entropy_bwd(x2d, t, lse, g, ctx.vocab_size, ctx.label_smoothing)
-        return dx.view(ctx.shape), None, None, None
+        dx = _ext.get_ext().cross_entropy_bwd(x2d, t, lse, g, ctx.vocab_size, ctx.label_smoothing, ctx.inplace)
+        if ctx.inplace:  # the kernel wrote over the saved logits: autograd must know they changed
+            torch.autograd.graph.increment_version(x2d)
+        return dx.view(ctx.shape), None, None, None, None
 
 
 class _CrossEntropyPyTorch(torch.autograd.Function):
@@ -69,13 +76,18 @@ class _CrossEntropyPyTorch(torch.autograd.Function):
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
-                  vocab_size: Optional[int] = None) -> torch.Tensor:
+                  vocab_size: Optional[int] = None, inplace_backward: bool = False) -> torch.Tensor:
     """Per-token loss [target's shape] from logits [..., padded vocab] whose first ``vocab_size``
-    columns are real (None: all).  Label smoothing as F.cross_entropy defines it."""
+    columns are real (None: all).  Label smoothing as F.cross_entropy defines it.
+    ``inplace_backward``: the kernel's backward may write the gradient over ``logits`` (module docstring)."""
+    if inplace_backward and logits.is_leaf and logits.requires_grad:
+        raise ValueError("cross_entropy(inplace_backward=True) would write the gradient over a leaf tensor's own "
+                         "values (and make it its .grad): pass logits computed from it, or inplace_backward=False")
     padded = logits.size(-1)
     vocab_size = padded if vocab_size is None else int(vocab_size)
     if not 0 < vocab_size <= padded:
         raise ValueError(f"vocab_size {vocab_size} must be in 1..{padded} (the padded logits' width)")
     if _ext.use_kernel(logits, target) and target.dtype == torch.int64:
-        return _CrossEntropyKernel.apply(logits.contiguous(), target.contiguous(), float(label_smoothing), vocab_size)
+        return _CrossEntropyKernel.apply(logits.contiguous(), target.contiguous(), float(label_smoothing), vocab_size,
+                                         bool(inplace_backward))
     return _CrossEntropyPyTorch.apply(logits, target, float(label_smoothing), vocab_size)

@@ -22,14 +22,16 @@ from .utils import group_rank_and_size, resolve_tp_group, tp_collective
 
 
 def loss_memory_per_logit(tensor_parallel: bool) -> tuple[float, float]:
-    """Bytes per logit element the loss holds, (at its peak, from its forward to its backward).
+    """Bytes per logit element the loss holds, (at its peak, from its forward to its backward), as the GPT
+    model calls it (``inplace_backward``).
 
-    - TP > 1: the bf16 logits (2) and two fp32 tensors alive at once (4 + 4): each rebinding of
-      ``logits`` (fp32 copy, masked, shifted) frees the previous one, so at most one of them beside
-      the exponentials; in the backward the saved softmax and its clone. The fp32 softmax (4) is held.
-    - TP = 1, the fused kernel: the logits it keeps (2, held) and, in the backward, their gradient (2).
+    - TP > 1: the bf16 logits (2) and the loss's own fp32 copy of them (4), which every later step
+      overwrites in place (masked, shifted, exponentiated, normalised into the softmax, which is held);
+      in the backward the held softmax becomes the gradient in place, then its bf16 cast (2).
+    - TP = 1, the fused kernel: the logits it keeps (2, held), which the backward overwrites with their
+      gradient.
     """
-    return (10.0, 4.0) if tensor_parallel else (4.0, 2.0)
+    return (6.0, 4.0) if tensor_parallel else (2.0, 2.0)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -37,7 +39,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, label_smoothing, vocab_size, group):
         rank, world = group_rank_and_size(group)
         ctx.logits_dtype = logits.dtype
-        logits = logits.float()
+        # The loss's own fp32 copy (a copy even of fp32 logits): every step below overwrites it in place,
+        # so the forward holds one fp32 logits-sized tensor, and the backward turns it into the gradient.
+        logits = logits.to(torch.float32, copy=True)
         part = logits.size(-1)
         start = rank * part
         global_vocab = part * world
@@ -45,49 +49,46 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if not 0 < vocab_size <= global_vocab:
             raise ValueError(f"vocab_size {vocab_size} must be in 1..{global_vocab} (the padded logits' width)")
 
-        # Padding columns (global id >= vocab_size) take no part in the softmax.
-        valid = None
-        if vocab_size < global_vocab:
-            ids = torch.arange(start, start + part, device=logits.device)
-            valid = ids < vocab_size
-            logits = logits.masked_fill(~valid, float("-inf"))
+        # Padding columns (global id >= vocab_size) take no part in the softmax. They are the last columns
+        # of the global vocabulary, so the real ones are a prefix of this rank's slice.
+        real = max(0, min(part, vocab_size - start))
+        logits[..., real:] = float("-inf")
 
         logits_max = logits.max(dim=-1)[0]
         if world > 1:
             with tp_collective("all-reduce of the logits' maximum (vocab-parallel cross entropy)", group):
                 dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        logits = logits - logits_max.unsqueeze(-1)
+        logits.sub_(logits_max.unsqueeze(-1))
 
         outside = (target < start) | (target >= start + part)
         local_target = (target - start).masked_fill(outside, 0)
         predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         predicted = all_reduce(predicted, group)
 
-        exp_logits = logits.exp()
+        if label_smoothing > 0.0:  # the real columns' sum, before the exponentials overwrite them
+            sum_logits = all_reduce(logits[..., :real].sum(-1), group)
+        exp_logits = logits.exp_()
         sum_exp = all_reduce(exp_logits.sum(dim=-1), group)
         log_z = sum_exp.log()
         loss = log_z - predicted
 
         if label_smoothing > 0.0:
             # (1 - e) * nll + e * mean over the vocab of -log p (e: vocab_parallel_cross_entropy's weight).
-            sum_logits = logits.masked_fill(~valid, 0.0).sum(-1) if valid is not None else logits.sum(-1)
-            mean_logits = all_reduce(sum_logits, group) / vocab_size
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - mean_logits)
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - sum_logits / vocab_size)
 
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, outside, local_target, valid)
-        ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
+        ctx.save_for_backward(softmax, outside, local_target)
+        ctx.label_smoothing, ctx.vocab_size, ctx.real = label_smoothing, vocab_size, real
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, outside, local_target, valid = ctx.saved_tensors
-        grad = softmax.clone()
+        softmax, outside, local_target = ctx.saved_tensors
+        grad = softmax  # in place: the held softmax becomes the gradient (a second backward raises, not misleads)
         on_rank = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(1.0 - ctx.label_smoothing) * on_rank.unsqueeze(-1))
         if ctx.label_smoothing > 0.0:
-            uniform = ctx.label_smoothing / ctx.vocab_size
-            grad -= uniform if valid is None else uniform * valid.to(grad.dtype)
+            grad[..., :ctx.real] -= ctx.label_smoothing / ctx.vocab_size
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None
 
@@ -98,8 +99,12 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     vocab_size: Optional[int] = None,
     group: Optional[dist.ProcessGroup] = None,
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """Per-token loss [same shape as target] from TP-split logits [..., vocab/tp].
+
+    The logits are left as they are, except with ``inplace_backward`` at TP = 1, where the fused kernel's
+    backward writes their gradient over them (``fused.cross_entropy``): for a caller that owns them.
 
     ``vocab_size`` is the real (unpadded) vocabulary: logits of padding ids are
     excluded, so the loss does not depend on how much padding TP needed.
@@ -125,5 +130,5 @@ def vocab_parallel_cross_entropy(
             raise ValueError(f"label_smoothing needs at least 2 classes, got a vocabulary of {classes}")
         label_smoothing = label_smoothing * classes / (classes - 1)  # the weight of the uniform term
     if world == 1:
-        return fused.cross_entropy(vocab_parallel_logits, target, label_smoothing, vocab_size)
+        return fused.cross_entropy(vocab_parallel_logits, target, label_smoothing, vocab_size, inplace_backward)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, vocab_size, group)
