@@ -433,3 +433,22 @@ def test_cross_entropy_without_tp_equals_the_vocab_parallel_one(dtype):
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()  # the saved log-probabilities became the gradient: a second pass must not reuse them
+
+
+def test_tied_output_weight_returns_no_gradient_beside_the_embeddings():
+    """A fused wgrad goes into main_grad. The tied output weight (zero_out_wgrad: the embedding in the same
+    backward gives the weight its other gradient, which fires the DDP hook) returns none, not a [vocab, h]
+    tensor of zeros held through the backward; a weight with no other use returns one for the hook to skip."""
+    from parallel3d.tensor_parallel.linear_functions import weight_gradient
+
+    torch.manual_seed(0)
+    x, g = torch.randn(8, 4), torch.randn(8, 6)
+    for tied in (True, False):
+        w = nn.Parameter(torch.randn(6, 4))
+        w.main_grad, w.grad_added_to_main_grad = torch.zeros(6, 4), False
+        if tied:
+            w.zero_out_wgrad = True
+        out = weight_gradient(w, x, g, fused=True)
+        torch.testing.assert_close(w.main_grad, g.t() @ x)
+        assert w.grad_added_to_main_grad, "the DDP hook must be told the wgrad is in main_grad"
+        assert (out is None) == tied, f"tied={tied}: returned {None if out is None else tuple(out.shape)}"

@@ -232,14 +232,12 @@ def _layer_elementwise(model: ModelSpec, layout: Layout, forward: bool) -> float
     return n
 
 
-def _tied_weight_grad_bytes(model: ModelSpec, layout: Layout, rows: int) -> float:
-    """Bytes one microbatch moves to deliver a [rows, hidden] embedding/output weight gradient.
+def _embedding_grad_bytes(model: ModelSpec, layout: Layout, rows: int) -> float:
+    """Bytes one microbatch moves to deliver the [rows, hidden] word-embedding gradient.
 
-    Neither is a fused weight-gradient GEMM into main_grad: nn.Embedding's backward writes a dense
-    zero-initialised [rows, h] gradient, and a supplied (tied) output weight is given a zeros
-    gradient (zero_out_wgrad, tensor_parallel/layers.py); the DDP hook then adds param.grad into
-    the fp32 main_grad (read 4 + elem, write 4).  The caller adds the sum of the two gradients
-    when one chunk holds both.
+    Not a fused weight-gradient GEMM into main_grad: nn.Embedding's backward writes a dense
+    zero-initialised [rows, h] gradient, and the DDP hook adds it into the fp32 main_grad (read 4 + elem,
+    write 4). A tied output layer in the same chunk adds nothing to it (its wgrad went into main_grad).
     """
     elem = 2 if layout.bf16 else 4
     return rows * model.hidden_size * (elem + 8 + elem)
@@ -253,7 +251,7 @@ def embedding_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Pa
     # clone of _ReduceFromRegion before the TP sum.
     clone = 1 if t > 1 else 0
     fwd = _passes(cluster, tokens * h * elem * (3 + 2 + 2 * clone), 3 + clone)
-    bwd = _passes(cluster, _tied_weight_grad_bytes(model, layout, model.vocab(t) // t) + tokens * h * elem, 3)
+    bwd = _passes(cluster, _embedding_grad_bytes(model, layout, model.vocab(t) // t) + tokens * h * elem, 3)
     group = group_of(cluster, t, 1)
     rope = model.position_embedding_type == "rope"  # only then is the TP sum a reduce-scatter (gpt.py)
     comm = (reduce_scatter_time(cluster, group, tokens * h * elem) if layout.sequence_parallel and rope
@@ -261,7 +259,7 @@ def embedding_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> Pa
     return PassCost(fwd=fwd, bwd_weight=bwd, tp_comm_fwd=comm)
 
 
-def head_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, holds_embedding: bool = False) -> PassCost:
+def head_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCost:
     """Final norm, output layer and vocab-parallel cross-entropy (never recomputed)."""
     t, elem = layout.tp, 2 if layout.bf16 else 4
     tokens, h = layout.micro_batch_size * model.seq_length, model.hidden_size
@@ -272,11 +270,8 @@ def head_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec, holds_embe
     loss_fwd, loss_bwd = LOSS_BYTES_PER_LOGIT[t > 1]
     fwd = f + _passes(cluster, sp_tokens * h * 2 * elem, 2) + _loss_passes(cluster, logits * loss_fwd, 6)
     bwd_in = i + _passes(cluster, sp_tokens * h * 3 * elem, 2) + _loss_passes(cluster, logits * loss_bwd, 4)
-    if not model.untie_embeddings_and_output_weights:
-        if holds_embedding:  # zeros gradient, then autograd sums it with the embedding's (read 2, write 1)
-            w += _passes(cluster, vocab * h * elem * 4, 2)
-        else:  # the last stage's copy: zeros gradient, added into main_grad by the DDP hook
-            w += _passes(cluster, _tied_weight_grad_bytes(model, layout, vocab), 2)
+    # A tied output weight costs nothing more: its wgrad goes into main_grad like any linear's, and it returns
+    # no gradient beside the embedding's (which embedding_cost counts) or an uninitialised one the hook skips.
     group = group_of(cluster, t, 1)
     act = tokens * h * elem
     if layout.sequence_parallel:  # all-gather in; backward: all-gather again behind the dgrad, RS behind the wgrad

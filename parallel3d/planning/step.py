@@ -108,7 +108,7 @@ def stage_costs(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> list[
             if first:
                 cost = cost + emb
             if last:
-                cost = cost + head_cost(model, layout, cluster, holds_embedding=first)
+                cost = cost + head_cost(model, layout, cluster)
             row.append(cost)
         out.append(row)
     return out

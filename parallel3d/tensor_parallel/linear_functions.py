@@ -59,12 +59,14 @@ def weight_gradient(weight: torch.Tensor, total_x_2d: torch.Tensor, grad_output_
         wgrad_accumulate(total_x_2d, grad_output_2d, weight.main_grad)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
-    # The DDP hook needs a gradient to fire on, and is told not to add it. A weight with other uses
-    # (a tied embedding) gets zeros: autograd sums its other gradients into this tensor, and the hook
-    # must then add them (Megatron's zero_out_wgrad).
     weight.grad_added_to_main_grad = True
-    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-    return make(weight.shape, dtype=weight.dtype, device=weight.device)
+    if getattr(weight, "zero_out_wgrad", False):
+        # A weight with another use in the same backward (the tied embedding): that use's gradient alone
+        # reaches autograd's sum, which fires the DDP hook, and the hook adds it (zero_out_wgrad). Megatron
+        # returns zeros here, a [vocab, h] tensor held through the whole backward only to be summed.
+        return None
+    # The DDP hook needs a gradient to fire on, and is told not to add it.
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 def _2d(t: torch.Tensor) -> torch.Tensor:
