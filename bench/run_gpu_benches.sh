@@ -25,6 +25,16 @@ set -u
 export OUT=${OUT:-/tmp/bench_out} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 PARALLEL3D_JIT=${PARALLEL3D_JIT:-1}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 mkdir -p "$OUT"
+# A side-by-side run without its peer measures nothing: refuse before any work where a mode needs the
+# peers' runners and none were carried (the GPU machine has no ../shared).
+for what in "$@"; do
+  case "$what" in single|ddp|pipeline|layouts|fp8|graphs)
+    if ! ls .whl/anchors/plain_gpt_bench.py ../shared/anchors/plain_gpt_bench.py >/dev/null 2>&1; then
+      echo "run_gpu_benches: '$what' runs the peers, but neither .whl/anchors/ nor ../shared/anchors/ holds their" \
+           "runners: on the CPU machine, mkdir -p .whl/anchors && cp ../shared/anchors/*.py .whl/anchors/"; exit 2
+    fi ;;
+  esac
+done
 if ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-deps --no-index --target /tmp/mcore .whl/megatron_core-*.whl
   export PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH}
