@@ -118,9 +118,11 @@ class Fp8Recipe:
             text += (f" (amax history {self.amax_history_len}, {self.amax_compute_algo}, margin {self.margin}, "
                      "updated once per step)")
         text += ", wgrad in FP8" if self.wgrad else ", wgrad in high precision"
-        # Said where the user reads it: correct, but its gain over our bf16 follows the host's speed so far.
-        return text + ("; output layer and embeddings in high precision. Little faster than bf16 so far (the "
-                       "eager FP8 step waits on the host): see BENCHMARKS.md, 'FP8 on one H100'")
+        # Said where the user reads it: correct, but its gain over our bf16 follows the host's speed and the
+        # micro-batch's size.
+        return text + ("; output layer and embeddings in high precision. Faster than bf16 only where the GPU, "
+                       "not the host, bounds the step (large micro-batches; slower at 2048 tokens a micro-batch "
+                       "on LLaMA-3B): see docs/fp8.md, 'Speed'")
 
 
 # Which dimension of each 2D operand is split over TP: [partition_dim][role]. A column-parallel
