@@ -14,9 +14,11 @@ to the neighbouring FP8 value, a chance of ~1e-7 / u per element, ~1 element per
 ~1e6 quantized elements. Such a flip moves one element by u of itself, one of the T = 256 tokens'
 contributions to a weight gradient: up to u / T ~ 1e-3 of the gradient. So:
 
-- iteration 1 (identical weights everywhere; only the in-step sums differ, and a flip there is rare):
-  loss within 1e-5 and gradient norm within 1e-4, relative. A scale that is not the full tensor's
-  (a TP shard's own amax) already moves the first gradient norm by ~7e-3;
+- iteration 1 (identical weights everywhere; only the in-step sums differ, and they flip elements too: with
+  torch 2.13's CPU kernels one gpt2 layout's first gradient norm moved by 1.1e-4 and an amax by 5e-3):
+  loss within 1e-4, gradient norm within 2e-3, relative (one flip moves the norm by up to ~1e-3, as
+  below). A scale that is not the full tensor's (a TP shard's own amax) moves the first gradient norm
+  by ~7e-3;
 - later iterations (weights differ in their last bits): loss within 1e-4, gradient norm within
   1e-2, relative: one process whose weights are perturbed by 1e-7 relative moves by as much
   (measured: 1e-3 on the gradient norm, 2e-5 on the loss);
@@ -78,15 +80,13 @@ def _check_history(got, want, dp, where):
 
     Each rank's loss is divided by its own microbatch count, so a DP=k rank's gradients, and their
     amaxes, are k times one process's (the DP average divides them back): the quantized values are the
-    same, as the scales follow the amaxes. Iteration 1 (identical weights) is the maximum of the same
-    fp32 values in every layout: 1e-5. Later ones see the FP8 rounding flips above: a flipped element
-    moves the next layers' activations and gradients by up to u of that token's: 5e-2. A TP shard's or
-    DP rank's own amax, unreduced, differs by up to the whole spread of the tensor."""
+    same, as the scales follow the amaxes. Every iteration, the first too, sees the FP8 rounding flips
+    above: a flipped element moves the next layers' activations and gradients by up to u of that token's:
+    5e-2 (5e-3 measured at iteration 1). A TP shard's or DP rank's own amax, unreduced, differs by up to
+    the whole spread of the tensor."""
     want = want.clone()
     want[2] *= dp
-    first = int((want[0] > 0).sum()) - 1  # the column of iteration 1
     rel = (got - want).abs() / want.abs().clamp(min=1e-30)
-    assert rel[:, first].max() <= 1e-5, f"{where} iteration 1: {got[:, first]} vs {want[:, first]}"
     assert rel.max() <= 5e-2, f"{where}: {got} vs {want}"
 
 
@@ -102,7 +102,7 @@ def _sweep(rank, world_size, refs_bytes):
             ref_losses, ref_norms, ref_weights, ref_state = refs[f"{family}/{recipe}"]
             for it, (got, want, norm, ref_norm) in enumerate(zip(result["losses"], ref_losses, result["grad_norms"],
                                                                  ref_norms)):
-                loss_tol, norm_tol = (1e-5, 1e-4) if it == 0 else (1e-4, 1e-2)
+                loss_tol, norm_tol = (1e-4, 2e-3) if it == 0 else (1e-4, 1e-2)
                 assert _rel(got["lm loss"], want["lm loss"]) <= loss_tol, f"{where} iteration {it + 1}: {got} vs {want}"
                 assert _rel(norm, ref_norm) <= norm_tol, f"{where} iteration {it + 1} grad norm: {norm} vs {ref_norm}"
             for name, got, want in shards_against(result, ref_weights):
