@@ -23,6 +23,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "bench"), ROOT]
 
+from gpt_bench import FP8_RECIPES  # noqa: E402
 from launch import MEGATRON, OURS, iteration_time, run, tokens_per_gpu  # noqa: E402
 
 from parallel3d.pipeline.registry import ZERO_BUBBLE  # noqa: E402
@@ -42,7 +43,6 @@ TP2_NOSP = GPT + ["--global-batch-size", "16", "--tp", "2"]
 LLAMA = ["--preset", "llama-1b", "--global-batch-size", "16"]
 LLAMA_TP2_SP = LLAMA + ["--tp", "2", "--sequence-parallel"]
 LLAMA_3B = ["--preset", "llama-3b", "--global-batch-size", "8"]  # single_gpu_bench's FP8_GLOBAL_BATCH
-FP8_TENSORWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
 TP2_PP2_V2 = GPT + ["--global-batch-size", "32", "--tp", "2", "--pp", "2", "--vpp", "2", "--sequence-parallel"]
 # name: (GPUs, flags both runners take, flags only parallel3d takes, run Megatron-Core too)
 RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
@@ -97,8 +97,9 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     "tp2-sp-graph-hp": (2, TP2 + ["--enable-cuda-graph"], [], False),  # NCCL's stream at high priority
     # FP8 (issue 28) on one GPU, its step bound by the host: eager and with the layers replayed as graphs
     **{f"llama3b{name}{mbs}": (1, LLAMA_3B + flags + (["--micro-batch-size", "2"] if mbs else []), [], False)
-       for name, flags in (("", []), ("-graph", ["--enable-cuda-graph"]), ("-fp8", FP8_TENSORWISE),
-                           ("-fp8-graph", FP8_TENSORWISE + ["--enable-cuda-graph"]))
+       for name, flags in (("", []), ("-graph", ["--enable-cuda-graph"]), ("-fp8", FP8_RECIPES["tensorwise"]),
+                           ("-fp8-graph", FP8_RECIPES["tensorwise"] + ["--enable-cuda-graph"]),
+                           ("-fp8-rowwise", FP8_RECIPES["rowwise"]), ("-fp8-delayed", FP8_RECIPES["delayed"]))
        for mbs in ("", "-mbs2")},
 }
 # A row without --enable-cuda-graph measures the eager layers: parallel3d's default replays a TP run's layers
