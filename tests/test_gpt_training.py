@@ -123,6 +123,38 @@ def test_compiled_layers_with_inductor(family):
     assert layer._compiled_call_impl is not None, "--compile did not compile the layers"
 
 
+def test_the_parallel_linears_stay_eager_in_a_compiled_model_without_dynamo_at_import():
+    """Each parallel linear is a graph break with its forward run eagerly (tensor_parallel.utils.eager),
+    whether the model ran eagerly before or is compiled first; importing the training application loads
+    no Dynamo (seconds of every rank's start)."""
+    probe = "import sys, parallel3d.training, parallel3d.models; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.stdout.strip() == "False", (out.stdout, out.stderr[-2000:])
+    import torch._dynamo
+    from parallel3d.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = ColumnParallelLinear(16, 32, gather_output=False)
+            self.b = RowParallelLinear(32, 16, input_is_parallel=True)
+
+        def forward(self, x):
+            return self.b(self.a(x.relu())[0].sin())[0].cos()
+
+    x = torch.randn(4, 16)
+    for eager_first in (True, False):
+        net = Net()
+        if eager_first:
+            net(x)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(net)(x)
+        reasons = [str(b.reason) for b in explained.break_reasons]
+        assert explained.graph_break_count == 2 and all("disable()" in r for r in reasons), reasons
+        torch.testing.assert_close(torch.compile(net, backend="aot_eager")(x), net(x))
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------- checkpoints
 
 

@@ -32,7 +32,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from .utils import divide, group_rank_and_size, resolve_tp_group, split_tensor_for_rank, vocab_range
+from .utils import divide, eager, group_rank_and_size, resolve_tp_group, split_tensor_for_rank, vocab_range
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -202,7 +202,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.allreduce_dgrad = (group_rank_and_size(self.tp_group)[1] > 1 and not self.sequence_parallel
                                 and not disable_grad_reduce)
 
-    @torch.compiler.disable  # eager: see _ParallelLinear
+    @eager  # see _ParallelLinear
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
         if weight is None:
             if self.weight is None:
@@ -242,7 +242,7 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
 
-    @torch.compiler.disable  # eager: see _ParallelLinear
+    @eager  # see _ParallelLinear
     def forward(self, x: torch.Tensor):
         x_parallel = x if self.input_is_parallel else scatter_to_tensor_model_parallel_region(x, self.tp_group)
         # under SP the reduce-scatter is the linear's own, split beside its GEMM (linear_functions.py)

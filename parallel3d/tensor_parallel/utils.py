@@ -1,13 +1,29 @@
 """Small helpers shared by the tensor-parallel layers."""
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from parallel3d import parallel_state
 from parallel3d.distributed_timeout import group_peers, waiting_for
+
+
+def eager(fn: Callable) -> Callable:
+    """``torch.compiler.disable(fn)``, made at ``fn``'s first call: that call imports Dynamo, seconds of
+    every process's start (each rank of a job, each gloo rank of the tests), which a run that compiles
+    nothing never needs. Inside a compiled model the result is the same: ``fn`` runs eagerly."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        disabled = call.__dict__.get("_disabled")
+        if disabled is None:
+            disabled = call._disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return call
 
 
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
