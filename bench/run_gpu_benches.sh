@@ -27,11 +27,12 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16
 mkdir -p "$OUT"
 # A side-by-side run without its peer measures nothing: refuse before any work where a mode needs the
 # peers' runners and none were carried (the GPU machine has no ../shared).
+# Where the runners are looked for is bench/launch.py's rule (_anchor), asked here rather than repeated.
 for what in "$@"; do
   case "$what" in single|ddp|pipeline|layouts|fp8|graphs)
-    if ! ls .whl/anchors/plain_gpt_bench.py ../shared/anchors/plain_gpt_bench.py >/dev/null 2>&1; then
-      echo "run_gpu_benches: '$what' runs the peers, but neither .whl/anchors/ nor ../shared/anchors/ holds their" \
-           "runners: on the CPU machine, mkdir -p .whl/anchors && cp ../shared/anchors/*.py .whl/anchors/"; exit 2
+    if ! (cd bench && python3 -c "import sys, launch; sys.exit(0 if launch.PLAIN and launch.MEGATRON else 1)"); then
+      echo "run_gpu_benches: '$what' runs the peers, but their runners were not found (.whl/anchors/ or" \
+           "../shared/anchors/): on the CPU machine, mkdir -p .whl/anchors && cp ../shared/anchors/*.py .whl/anchors/"; exit 2
     fi ;;
   esac
 done
