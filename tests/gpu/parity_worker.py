@@ -125,7 +125,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from parallel3d.lifetime import exit_with_launcher
+    from parallel3d.lifetime import exit_after_run, exit_with_launcher
 
     exit_with_launcher()  # a worker must not outlive a killed torchrun (parallel3d/lifetime.py)
     main()
+    # its records are written: end as the training script does, without interpreter finalization, where one
+    # rank of a finished 4-GPU launch once died of SIGSEGV after "parity: done" (4 x H200, 2026-11-28)
+    exit_after_run(0)
