@@ -76,6 +76,7 @@ class LanguageModelEmbedding(nn.Module):
                 make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
                 reduce_scatter_embeddings=self.reduce_scatter_embeddings,
                 params_dtype=config.params_dtype, tp_group=tp_group,
+                gradient_accumulation_fusion=config.gradient_accumulation_fusion,
             )
         if self.learned_positions:
             with init_rng(config.seed, "embedding.position_embeddings"):

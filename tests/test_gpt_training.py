@@ -155,6 +155,17 @@ def test_the_parallel_linears_stay_eager_in_a_compiled_model_without_dynamo_at_i
     torch._dynamo.reset()
 
 
+def test_gradient_accumulation_fusion_trains_as_without_it():
+    """The fused weight gradients (the linears' GEMMs and the untied embedding's rows, into main_grad) train
+    as the plain ones do, and the embedding takes the fused path; the tied embedding (gpt2) keeps autograd's."""
+    for family in FAMILIES:
+        fused, plain = (train(layout_args(family, extra=extra)) for extra in ([], ["--no-gradient-accumulation-fusion"]))
+        assert_trains_like(fused, (plain["losses"], plain["grad_norms"], full_weights(plain)), f"{family} fused")
+        weight = fused["model"][0].module.embedding.word_embeddings.weight
+        assert fused["model"][0].module.embedding.word_embeddings.gradient_accumulation_fusion
+        assert getattr(weight, "zero_out_wgrad", False) == (family == "gpt2")
+
+
 # ---------------------------------------------------------------- checkpoints
 
 

@@ -134,6 +134,18 @@ def _embedding_and_loss_cases(rank, tp_size, sp):
     padded_grad = torch.zeros(emb.padded_num_embeddings, h)
     padded_grad[:vocab] = dense.weight.grad
     _close(emb.weight.grad, padded_grad[start:end], "embedding weight grad")
+    # gradient_accumulation_fusion: two micro-batches' rows go into the fp32 main_grad (ids repeat, and
+    # under TP some fall outside this rank's range); the DDP hook is told so and gets a gradient to fire on
+    emb.gradient_accumulation_fusion = True
+    emb.weight.grad, emb.weight.main_grad, emb.weight.grad_added_to_main_grad = None, torch.zeros(end - start, h), False
+    for _ in range(2):
+        emb(ids).backward(_shard(g.transpose(0, 1), 0, r, tp_size) if sp else g)
+    _close(emb.weight.main_grad, 2 * padded_grad[start:end], "embedding gradient in main_grad")
+    assert emb.weight.grad_added_to_main_grad and emb.weight.grad.shape == emb.weight.shape
+    emb.weight.zero_out_wgrad = True  # a tied weight: its gradient stays with autograd for the hook to add
+    emb.weight.grad = None
+    emb(ids).backward(_shard(g.transpose(0, 1), 0, r, tp_size) if sp else g)
+    _close(emb.weight.grad, padded_grad[start:end], "tied embedding weight grad")
 
     # cross entropy on padded, TP-split logits
     padded = emb.padded_num_embeddings

@@ -233,14 +233,18 @@ def _layer_elementwise(model: ModelSpec, layout: Layout, forward: bool) -> float
 
 
 def _embedding_grad_bytes(model: ModelSpec, layout: Layout, rows: int) -> float:
-    """Bytes one microbatch moves to deliver the [rows, hidden] word-embedding gradient.
+    """Bytes one microbatch moves to deliver the [rows, hidden] word-embedding gradient into main_grad.
 
-    Not a fused weight-gradient GEMM into main_grad: nn.Embedding's backward writes a dense
-    zero-initialised [rows, h] gradient, and the DDP hook adds it into the fp32 main_grad (read 4 + elem,
-    write 4). A tied output layer in the same chunk adds nothing to it (its wgrad went into main_grad).
+    The lookup's backward adds the looked-up rows' gradients into the fp32 main_grad (read elem, widened
+    to fp32: write and read 4, main_grad's rows read and written 8; linear_functions.embedding). A weight
+    tied to the output layer of the same chunk (one stage) keeps nn.Embedding's backward instead, for the
+    DDP hook to add: a dense zero-initialised [rows, h] gradient (write elem, scatter), added into main_grad
+    (read 4 + elem, write 4). The output layer's wgrad went into main_grad either way.
     """
     elem = 2 if layout.bf16 else 4
-    return rows * model.hidden_size * (elem + 8 + elem)
+    if not model.untie_embeddings_and_output_weights and layout.pp == 1:
+        return rows * model.hidden_size * (elem + 8 + elem)
+    return layout.micro_batch_size * model.seq_length * model.hidden_size * (elem + 8 + 8)
 
 
 def embedding_cost(model: ModelSpec, layout: Layout, cluster: ClusterSpec) -> PassCost:

@@ -19,12 +19,11 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ..device import default_device
 from .fp8 import Fp8Recipe, Fp8Scaling
-from .linear_functions import linear_with_grad_accumulation_and_async_allreduce
+from .linear_functions import embedding, linear_with_grad_accumulation_and_async_allreduce
 from .mappings import (
     all_reduce,
     gather_from_tensor_model_parallel_region,
@@ -274,7 +273,8 @@ class VocabParallelEmbedding(nn.Module):
     Rows past ``num_embeddings`` are padding: initialised to zero, so the real
     rows do not depend on TP. ``make_vocab_size_divisible_by`` defaults to 128, or to 1 with a
     Megatron ``config`` (Megatron's embedding takes the vocabulary already padded). ``config``:
-    as for the linear layers (``params_dtype``, ``use_cpu_initialization``, ``perform_initialization``).
+    as for the linear layers (``params_dtype``, ``use_cpu_initialization``, ``perform_initialization``,
+    ``gradient_accumulation_fusion``: here the looked-up rows' gradients go into ``main_grad``).
     """
 
     def __init__(
@@ -290,6 +290,7 @@ class VocabParallelEmbedding(nn.Module):
         perform_initialization: Optional[bool] = None,
         device: Optional[torch.device] = None,
         tp_group: Optional[dist.ProcessGroup] = None,
+        gradient_accumulation_fusion: Optional[bool] = None,
     ):
         super().__init__()
         _check_megatron_keywords("VocabParallelEmbedding", {}, config)
@@ -306,6 +307,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index, self.vocab_end_index = vocab_range(self.padded_num_embeddings, rank, world)
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
         self.reduce_scatter_embeddings = reduce_scatter_embeddings and world > 1
+        self.gradient_accumulation_fusion = bool(_setting(gradient_accumulation_fusion, config,
+                                                          "gradient_accumulation_fusion", False))
         params_dtype = _setting(params_dtype, config, "params_dtype", torch.float32)
         init_method = init_method or init_method_normal(0.02)
 
@@ -325,7 +328,7 @@ class VocabParallelEmbedding(nn.Module):
             local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
         else:
             local_ids = input_ids
-        out = F.embedding(local_ids, self.weight)
+        out = embedding(local_ids, self.weight, self.gradient_accumulation_fusion)
         if world > 1:
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.reduce_scatter_embeddings:

@@ -57,6 +57,11 @@ def weight_gradient(weight: torch.Tensor, total_x_2d: torch.Tensor, grad_output_
         from parallel3d.fused import wgrad_accumulate
 
         wgrad_accumulate(total_x_2d, grad_output_2d, weight.main_grad)
+    return _written_to_main_grad(weight)
+
+
+def _written_to_main_grad(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """What backward returns for ``weight`` once its gradient went into ``main_grad``."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
@@ -67,6 +72,38 @@ def weight_gradient(weight: torch.Tensor, total_x_2d: torch.Tensor, grad_output_
         return None
     # The DDP hook needs a gradient to fire on, and is told not to add it.
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+class EmbeddingWithGradAccumulation(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose backward adds the looked-up rows' gradients into the fp32
+    ``weight.main_grad`` (gradient_accumulation_fusion, as the linears' wgrad GEMM does). nn.Embedding's
+    backward writes a dense zero-initialised [vocab, h] gradient that the DDP hook then adds into main_grad:
+    three passes over the whole table per micro-batch for a few thousand rows. ``index_put_`` with
+    ``accumulate`` sorts the ids, so the sum is the same on every run. Not for a weight with another use in
+    the same backward (zero_out_wgrad: the tied embedding), whose other gradient the hook must add."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        rows = grad_output.reshape(-1, grad_output.size(-1)).to(weight.main_grad.dtype)
+        weight.main_grad.index_put_((ids.reshape(-1).long(),), rows, accumulate=True)
+        return None, _written_to_main_grad(weight)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, gradient_accumulation_fusion: bool) -> torch.Tensor:
+    """The lookup; with ``gradient_accumulation_fusion`` and a DDP ``main_grad`` (and no other use of the
+    weight in the backward), its gradient goes into main_grad (:class:`EmbeddingWithGradAccumulation`)."""
+    if (gradient_accumulation_fusion and hasattr(weight, "main_grad") and weight.requires_grad
+            and torch.is_grad_enabled() and not getattr(weight, "zero_out_wgrad", False)):
+        return EmbeddingWithGradAccumulation.apply(ids, weight)
+    return F.embedding(ids, weight)
 
 
 def _2d(t: torch.Tensor) -> torch.Tensor:

@@ -120,3 +120,23 @@ def test_compiled_layers_equal_eager_on_the_gpu(on_cuda, family):
     for name, want in results[False][1].items():
         err = (results[True][1][name] - want).abs().max().item()
         assert err <= 1e-5 * max(1.0, want.abs().max().item()), f"{family} {name}: compiled differs by {err:.3g}"
+
+
+def test_embedding_gradient_into_main_grad_on_the_gpu(on_cuda):
+    """gradient_accumulation_fusion's lookup on CUDA: a bf16 table's rows add into the fp32 main_grad as the
+    fp64 sum of their gradients (repeated ids included), and the same bits on every run (index_put_ sorts)."""
+    torch.manual_seed(0)
+    emb = tp.VocabParallelEmbedding(1000, 64, make_vocab_size_divisible_by=1, params_dtype=torch.bfloat16,
+                                    gradient_accumulation_fusion=True)
+    ids = torch.randint(0, 50, (4, 512), device="cuda")  # 2048 lookups of 50 rows: every row repeats
+    g = torch.randn(4, 512, 64, device="cuda", dtype=torch.bfloat16)
+    want = torch.zeros(1000, 64, dtype=torch.float64, device="cuda").index_add_(0, ids.reshape(-1),
+                                                                               g.reshape(-1, 64).double())
+    runs = []
+    for _ in range(2):
+        emb.weight.main_grad, emb.weight.grad_added_to_main_grad = torch.zeros(1000, 64, device="cuda"), False
+        emb(ids).backward(g)
+        runs.append(emb.weight.main_grad)
+    assert emb.weight.grad_added_to_main_grad
+    torch.testing.assert_close(runs[0].double(), want, rtol=1e-5, atol=1e-5)  # fp32 sums of ~40 bf16 values
+    assert torch.equal(runs[0], runs[1]), "the embedding's fused gradient differs between two runs"
