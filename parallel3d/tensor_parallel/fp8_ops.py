@@ -10,9 +10,9 @@ launch (parallel3d/fused/fp8_cast.py), with its PyTorch reference off the GPU.
 The numbers are torchao's float8 ones (tests/test_fp8.py compares where torchao is installed):
 scale = fp8_max / max(amax, 1e-12), computed in fp64 and rounded to fp32; data = fp8(clamp(t.float() *
 scale)), rounded to nearest even; the GEMM multiplies by ``scale.reciprocal()`` (torch._scaled_mm) or,
-emulated, divides by the scale and multiplies in fp32. Rowwise scaling without fast accumulation runs the
-tensorwise kernel and scales the bf16 product afterwards, and a rowwise fp32 result is the bf16 one
-widened: torch._scaled_mm's rowwise kernel has fast accumulation and a bf16 output only.
+emulated, divides by the scale and multiplies in fp32. A rowwise fp32 result is the bf16 one widened:
+torch._scaled_mm's rowwise kernel (CUTLASS's, the scales applied to the fp32 accumulator in its epilogue)
+writes bf16 only. It accumulates fast or not as asked (torchao's rowwise recipe asks both).
 
 Why not torchao's Float8TrainingTensor, which runs these same operations: its tensor-subclass dispatch
 cost more host time per step than the GPU's work on a LLaMA-3B step (BENCHMARKS.md, "FP8 on one H100").
@@ -64,15 +64,10 @@ def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype, *, fast_accu
     rowwise = a.scale.dim() == 2
     scale_a, scale_b = a.scale_inv, b.scale_inv
     scale_b = scale_b.t() if rowwise else scale_b  # [1, N]: one per output column
-    post = None
-    if rowwise and not fast_accum:  # the rowwise kernel accumulates fast only
-        post, scale_a, scale_b = scale_a * scale_b, scale_a.new_ones(()), scale_a.new_ones(())
     dtype = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
     post_bias = bias if dtype == torch.float32 else None  # _scaled_mm adds no bias to an fp32 result
     out = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b,
                            bias=None if post_bias is not None else bias, out_dtype=dtype, use_fast_accum=fast_accum)
-    if post is not None:
-        out *= post
     if post_bias is not None:
         out += post_bias
     return out.to(out_dtype)

@@ -117,3 +117,31 @@ def test_fp8_wgrad_accumulates_into_main_grad_like_the_product_then_an_add():
         bound = (a.float().abs() @ b.float().abs().t()).max().item() * sa.item() * sb.item()
         torch.testing.assert_close(got, want, rtol=0, atol=8 * 2.0 ** -24 * bound, msg=f"{fa} x {fb}")
         assert not torch.equal(got, main_grad), "nothing was accumulated"
+
+
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_rowwise_gemm_applies_its_scales_in_the_kernel(fast_accum):
+    """A rowwise GEMM on the GPU (CUTLASS: the scales applied to the fp32 accumulator, bf16 written) against
+    the emulated one (exact FP8 products summed in fp32, divided by the scales). They differ by the bf16
+    rounding, 2^-8 of the value, and by the K-sum's rounding, a fraction of sum_k |a_ik b_jk| / (s_i s_j):
+    K 2^-24 in fp32; Hopper's fast accumulation keeps about 14 bits, so 2^-6 there. fp32 asked for is the
+    bf16 result widened, with the bias added in fp32."""
+    from parallel3d.tensor_parallel.fp8_ops import local_amax, quantize, scaled_mm
+
+    torch.manual_seed(0)
+    x = (torch.randn(256, 512, device="cuda") * torch.logspace(-2, 2, 256, device="cuda")[:, None]).bfloat16()
+    w = (torch.randn(384, 512, device="cuda") * torch.logspace(1, -1, 384, device="cuda")[:, None]).bfloat16()
+    a, _ = quantize(x, torch.float8_e4m3fn, "row", amax=local_amax(x, 1))
+    b, _ = quantize(w, torch.float8_e4m3fn, "row", amax=local_amax(w, 1))
+    assert a.scale.shape == (256, 1) and b.scale.shape == (384, 1)
+    want = scaled_mm(a, b, torch.float32, fast_accum=False, emulate=True)
+    bound = (a.data.float().abs() @ b.data.float().abs().t()) / (a.scale * b.scale.t())
+    got = scaled_mm(a, b, torch.bfloat16, fast_accum=fast_accum, emulate=False)
+    assert got.dtype == torch.bfloat16
+    err = (got.float() - want).abs() - 2.0 ** -8 * want.abs()
+    sum_error = 2.0 ** -6 if fast_accum else 512 * 2.0 ** -24
+    assert (err <= sum_error * bound).all(), f"worst: {(err / bound).max().item():.3g} of the bound"
+    bias = torch.randn(384, device="cuda")
+    got32 = scaled_mm(a, b, torch.float32, fast_accum=fast_accum, emulate=False, bias=bias)
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32, got.float() + bias, rtol=0, atol=0)
