@@ -10,6 +10,11 @@
 // the factor torch._scaled_mm takes. The conversion is c10's Float8 constructor, the
 // function torch's own cast runs, so the bytes equal the eager reference's.
 //
+// With amax_out (one fp32 value, >= 0), the cast also records max |x| into it:
+// amax_out = max(amax_out, max |x|), NaN kept (the delayed recipe's amax, read in the same pass
+// instead of a launch of its own). Non-negative floats order as their bits do, so an integer
+// atomicMax per warp does it; a NaN's |.| is a positive NaN, above inf.
+//
 // Launch geometry: where M and N are multiples of 64 (the activations and weights of every
 // model we train), fp8_cast_vec_kernel: a 64 x 64 tile per block of 256 threads, 16-byte
 // reads of x, 8-byte writes of the row layout, 16-byte writes of the transposed one through
@@ -46,27 +51,41 @@ __device__ __forceinline__ void store_scale(float* scale_out, float* scale_inv_o
   scale_inv_out[i] = __frcp_rn(sc);
 }
 
+// max(a, b) for a, b >= 0 or NaN, NaN kept.
+__device__ __forceinline__ float nan_max(float a, float b) { return (b != b || b > a) ? b : a; }
+
+// amax_out = max(amax_out, the warp's values): every thread of the warp calls it.
+__device__ __forceinline__ void record_amax(float* amax_out, float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, off));
+  if ((threadIdx.x + threadIdx.y * blockDim.x) % 32 == 0) atomicMax(reinterpret_cast<int*>(amax_out), __float_as_int(v));
+}
+
 template <typename T, typename F8>
 __global__ void fp8_cast_kernel(const T* __restrict__ x, const float* __restrict__ s, F8* __restrict__ row,
                                 F8* __restrict__ col, float* __restrict__ scale_out,
-                                float* __restrict__ scale_inv_out, int64_t M, int64_t N, int mode,
-                                bool from_amax, float fp8_max) {
+                                float* __restrict__ scale_inv_out, float* __restrict__ amax_out, int64_t M,
+                                int64_t N, int mode, bool from_amax, float fp8_max) {
   __shared__ F8 tile[kTile][kTile + 1];
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile, n0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t n = n0 + tx;
   const float tensor_scale = mode == kTensor ? scale_from(s[0], fp8_max, from_amax) : 0.f;
   const float col_scale = mode == kPerCol && n < N ? scale_from(s[n], fp8_max, from_amax) : 0.f;
+  float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < kTile; i += kRowsPerPass) {
     const int64_t m = m0 + ty + i;
     if (m >= M || n >= N) continue;
     const float sc = mode == kTensor ? tensor_scale
                      : mode == kPerRow ? scale_from(s[m], fp8_max, from_amax) : col_scale;
-    const F8 q(clamp_fp8(static_cast<float>(x[m * N + n]) * sc, fp8_max));
+    const float v = static_cast<float>(x[m * N + n]);
+    amax = nan_max(amax, fabsf(v));
+    const F8 q(clamp_fp8(v * sc, fp8_max));
     if (row != nullptr) row[m * N + n] = q;
     if (col != nullptr) tile[ty + i][tx] = q;
   }
+  if (amax_out != nullptr) record_amax(amax_out, amax);
   if (col != nullptr) {
     __syncthreads();
 #pragma unroll
@@ -103,7 +122,8 @@ template <typename T, typename F8>
 __global__ void __launch_bounds__(kVecThreads)
     fp8_cast_vec_kernel(const T* __restrict__ x, const float* __restrict__ s, uint8_t* __restrict__ row,
                         uint8_t* __restrict__ col, float* __restrict__ scale_out, float* __restrict__ scale_inv_out,
-                        int64_t M, int64_t N, int mode, bool from_amax, float fp8_max) {
+                        float* __restrict__ amax_out, int64_t M, int64_t N, int mode, bool from_amax,
+                        float fp8_max) {
   // +4 bytes a row: the transposed reads below hit 2 banks' worth of rows instead of one
   __shared__ __align__(16) uint8_t tile[kVecTile][kVecTile + 4];
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kVecTile, n0 = static_cast<int64_t>(blockIdx.x) * kVecTile;
@@ -112,6 +132,7 @@ __global__ void __launch_bounds__(kVecThreads)
   float col_scale[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) col_scale[j] = mode == kPerCol ? scale_from(s[n0 + c + j], fp8_max, from_amax) : 0.f;
+  float amax = 0.f;
 #pragma unroll
   for (int pass = 0; pass < 2; ++pass) {
     const int r = (t >> 3) + 32 * pass;
@@ -119,6 +140,10 @@ __global__ void __launch_bounds__(kVecThreads)
     const Pack<T, 8> in = load_pack<T, 8>(x + m * N + n0 + c);
     const float row_scale = mode == kPerRow ? scale_from(s[m], fp8_max, from_amax) : tensor_scale;
     uint32_t q[2];
+    if (amax_out != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) amax = nan_max(amax, fabsf(static_cast<float>(in.v[j])));
+    }
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
       const float a = clamp_fp8(static_cast<float>(in.v[j]) * (mode == kPerCol ? col_scale[j] : row_scale), fp8_max);
@@ -133,6 +158,7 @@ __global__ void __launch_bounds__(kVecThreads)
       *reinterpret_cast<uint32_t*>(&tile[r][c + 4]) = q[1];
     }
   }
+  if (amax_out != nullptr) record_amax(amax_out, amax);
   if (col != nullptr) {
     __syncthreads();
     const int n = t >> 2, mc = (t & 3) * 16;  // col[n0 + n, m0 + mc .. + 16] = q[m0 + mc .. + 16, n0 + n]
@@ -159,9 +185,13 @@ __global__ void __launch_bounds__(kVecThreads)
 }  // namespace
 
 std::vector<at::Tensor> fp8_cast(const at::Tensor& x, const at::Tensor& s, int64_t mode, bool from_amax, bool e5m2,
-                                 bool row, bool col) {
+                                 bool row, bool col, const std::optional<at::Tensor>& amax_out) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "fp8_cast: x must be a contiguous 2-D CUDA tensor");
   TORCH_CHECK(s.is_cuda() && s.scalar_type() == at::kFloat && s.is_contiguous(), "fp8_cast: s must be contiguous fp32");
+  TORCH_CHECK(!amax_out.has_value() || (amax_out->is_cuda() && amax_out->scalar_type() == at::kFloat &&
+                                        amax_out->numel() == 1 && amax_out->device() == x.device()),
+              "fp8_cast: amax_out must be one fp32 value on x's device");
+  float* amax_ptr = amax_out.has_value() ? amax_out->data_ptr<float>() : nullptr;
   TORCH_CHECK(row || col, "fp8_cast: ask for the row layout, the col layout or both");
   const int64_t M = x.size(0), N = x.size(1);
   TORCH_CHECK((mode == kTensor && s.numel() == 1) ||
@@ -190,14 +220,14 @@ std::vector<at::Tensor> fp8_cast(const at::Tensor& x, const at::Tensor& s, int64
         launch_kernel(fp8_cast_vec_kernel<T, F8>, vec_grid, dim3(kVecThreads), 0, x.data_ptr<T>(), s.data_ptr<float>(),
                       row ? static_cast<uint8_t*>(out_row.data_ptr()) : nullptr,
                       col ? static_cast<uint8_t*>(out_col.data_ptr()) : nullptr,
-                      from_amax ? scale.data_ptr<float>() : nullptr, scale_inv.data_ptr<float>(), M, N,
+                      from_amax ? scale.data_ptr<float>() : nullptr, scale_inv.data_ptr<float>(), amax_ptr, M, N,
                       static_cast<int>(mode), from_amax, fp8_max);
         return;
       }
       launch_kernel(fp8_cast_kernel<T, F8>, grid, block, 0, x.data_ptr<T>(), s.data_ptr<float>(),
                     row ? static_cast<F8*>(out_row.data_ptr()) : nullptr,
                     col ? static_cast<F8*>(out_col.data_ptr()) : nullptr,
-                    from_amax ? scale.data_ptr<float>() : nullptr, scale_inv.data_ptr<float>(), M, N,
+                    from_amax ? scale.data_ptr<float>() : nullptr, scale_inv.data_ptr<float>(), amax_ptr, M, N,
                     static_cast<int>(mode), from_amax, fp8_max);
     };
     if (e5m2) launch(c10::Float8_e5m2()); else launch(c10::Float8_e4m3fn());

@@ -83,8 +83,9 @@ at::Tensor cross_entropy_bwd(const at::Tensor& x, const at::Tensor& target, cons
                              const at::Tensor& grad_loss, int64_t vocab, double smoothing, bool inplace);
 
 // fp8_cast.cu: x [M, N] -> {q [M, N] or undefined, q^T [N, M] or undefined, scale, 1 / scale};
-// s: the scale, or (from_amax) the amax, one value (mode 0), per row [M, 1] (1) or per column [1, N] (2).
+// s: the scale, or (from_amax) the amax, one value (mode 0), per row [M, 1] (1) or per column [1, N] (2);
+// amax_out (one fp32 value): also amax_out = max(amax_out, max |x|).
 std::vector<at::Tensor> fp8_cast(const at::Tensor& x, const at::Tensor& s, int64_t mode, bool from_amax, bool e5m2,
-                                 bool row, bool col);
+                                 bool row, bool col, const std::optional<at::Tensor>& amax_out);
 
 }  // namespace p3d

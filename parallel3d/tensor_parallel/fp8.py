@@ -157,6 +157,7 @@ class Fp8Scaling(nn.Module):
             self.register_buffer("amax_pending", torch.zeros(3, device=device), persistent=False)
             self.register_load_state_dict_post_hook(_history_loaded)
         self.has_history = False  # delayed: no update yet, so the first step scales like tensorwise
+        self._steps = 0  # delayed: updates so far (the weight's amax is recorded once per step)
 
     def extra_repr(self) -> str:
         return f"{self.recipe.format}, {self.recipe.recipe}, partition_dim={self.partition_dim}"
@@ -191,9 +192,13 @@ class Fp8Scaling(nn.Module):
         return amaxes
 
     def _quantize(self, t: torch.Tensor, role: int, layout: str, scale: Optional[torch.Tensor] = None,
-                  amax: Optional[torch.Tensor] = None) -> tuple[Optional[Fp8Operand], Optional[Fp8Operand]]:
-        """``t`` quantized for ``role`` (its FP8 dtype) in ``layout``, from ``scale`` or ``amax``."""
-        return quantize(t, self.recipe.dtype(role), layout, scale=scale, amax=amax, fused=self.fused_cast)
+                  amax: Optional[torch.Tensor] = None, record: bool = False
+                  ) -> tuple[Optional[Fp8Operand], Optional[Fp8Operand]]:
+        """``t`` quantized for ``role`` (its FP8 dtype) in ``layout``, from ``scale`` or ``amax``; with
+        ``record`` (delayed) its local amax joins the step's in the same read (:meth:`_record`'s effect)."""
+        pending = self.amax_pending[role:role + 1] if record else None
+        return quantize(t, self.recipe.dtype(role), layout, scale=scale, amax=amax, fused=self.fused_cast,
+                        record=pending)
 
     def _record(self, t: torch.Tensor, role: int, amax: Optional[torch.Tensor] = None) -> None:
         """Delayed scaling: this tensor's (local) amax (``amax`` where already known) joins the step's; TP
@@ -246,12 +251,15 @@ class Fp8Scaling(nn.Module):
         cache.update({"dgrad": col} if col is not None else {})
         return (row if gemm == "fprop" else col), other_amax
 
-    def _weight_amax(self, weight: torch.Tensor) -> torch.Tensor:
-        """Delayed scaling: the weight's local amax for the step's record, once per cached weight."""
+    def _record_weight(self, weight: torch.Tensor) -> None:
+        """Delayed scaling: the weight's local amax joins the step's once a step (the weight does not change
+        within one; every micro-batch's forward would record the same value)."""
         cache = self._weight_entry(weight)
-        if "amax" not in cache:
-            cache["amax"] = local_amax(weight.detach())
-        return cache["amax"]
+        if cache.get("recorded") != self._steps:
+            if "amax" not in cache:
+                cache["amax"] = local_amax(weight.detach())
+            self._record(weight, WEIGHT, cache["amax"])
+            cache["recorded"] = self._steps
 
     # --- the three GEMMs ------------------------------------------------------------------------------
     def keeps_input_operand(self) -> bool:
@@ -270,16 +278,18 @@ class Fp8Scaling(nn.Module):
         # The roles' scales as a list of 0-dim tensors (views or the casts' own: no launch to gather them);
         # delayed copies the buffer, which backward's GEMMs use after the forward.
         scales = list(self.scale.clone().unbind()) if self._from_history() else None
-        if scales is not None:
+        record = self.recipe.recipe == "delayed" and self.training
+        if scales is not None:  # delayed: the cast records the input's amax in its read
             w8, _ = self._weight_operands(weight, "fprop", scales[WEIGHT])
-            x8, x8t = self._quantize(x2d, INPUT, layout, scale=scales[INPUT])
+            x8, x8t = self._quantize(x2d, INPUT, layout, scale=scales[INPUT], record=record)
         else:  # current scales: one all-reduce for both amaxes where the weight is quantized now
             w8, x_amax = self._weight_operands(weight, "fprop", None, (x2d, INPUT))
             x_amax = self._amaxes([(x2d, INPUT, "fprop")])[0] if x_amax is None else x_amax
             x8, x8t = self._quantize(x2d, INPUT, layout, amax=x_amax)
-        if self.recipe.recipe == "delayed" and self.training:
-            self._record(x2d, INPUT)
-            self._record(weight, WEIGHT, self._weight_amax(weight))
+            if record:  # delayed's first step: the amax is at hand (over TP: the update takes that maximum too)
+                self._record(x2d, INPUT, x_amax)
+        if record:
+            self._record_weight(weight)
         out = self._mm(x8, w8, x2d.dtype, fast_accum=True, bias=None if bias is None else bias.to(x2d.dtype))
         if scales is None and not self._rowwise():  # current scales: grad_output's comes in dgrad
             scales = [x8.scale, w8.scale, None]
@@ -293,18 +303,20 @@ class Fp8Scaling(nn.Module):
         returned."""
         scales, from_history, x8t = saved
         g = grad_output2d
-        if self.recipe.recipe == "delayed":
-            self._record(g, GRAD_OUTPUT)
+        record = self.recipe.recipe == "delayed"
         if self._rowwise():
             w8, g_amax = self._weight_operands(weight, "dgrad", None, (g, GRAD_OUTPUT))
             g_amax = self._amaxes([(g, GRAD_OUTPUT, "dgrad")])[0] if g_amax is None else g_amax
             g8, _ = self._quantize(g, GRAD_OUTPUT, "row", amax=g_amax)
             return self._mm(g8, w8, g.dtype), (None, None, None)
         layout = "both" if self.recipe.wgrad else "row"
-        if from_history:
-            g8, g8t = self._quantize(g, GRAD_OUTPUT, layout, scale=scales[GRAD_OUTPUT])
+        if from_history:  # delayed: the cast records grad_output's amax in its read
+            g8, g8t = self._quantize(g, GRAD_OUTPUT, layout, scale=scales[GRAD_OUTPUT], record=record)
         else:
-            g8, g8t = self._quantize(g, GRAD_OUTPUT, layout, amax=self._amaxes([(g, GRAD_OUTPUT, "dgrad")])[0])
+            g_amax = self._amaxes([(g, GRAD_OUTPUT, "dgrad")])[0]
+            g8, g8t = self._quantize(g, GRAD_OUTPUT, layout, amax=g_amax)
+            if record:
+                self._record(g, GRAD_OUTPUT, g_amax)
             scales = scales[:GRAD_OUTPUT] + [g8.scale]
         w8, _ = self._weight_operands(weight, "dgrad", scales[WEIGHT])
         return self._mm(g8, w8, g.dtype), (scales, g8t, x8t)
@@ -339,6 +351,7 @@ class Fp8Scaling(nn.Module):
         self.scale.copy_(torch.where(keep, new, self.scale))
         self.amax_pending.zero_()
         self.has_history = True
+        self._steps += 1
 
 
 def _history_loaded(module: Fp8Scaling, _incompatible_keys: Any) -> None:

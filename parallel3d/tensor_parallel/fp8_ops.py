@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from parallel3d.fused.fp8_cast import fp8_cast, fp8_cast_reference
+from parallel3d.fused.fp8_cast import fp8_cast, fp8_cast_reference, local_amax  # noqa: F401 (re-exported)
 from parallel3d.fused.grad_accum import wgrad_accumulate_fp8
 
 
@@ -34,22 +34,17 @@ class Fp8Operand(NamedTuple):
     scale_inv: torch.Tensor  # 1 / scale: the GEMM's factor
 
 
-def local_amax(t: torch.Tensor, axis: Optional[int] = None) -> torch.Tensor:
-    """max |t| (over ``axis``, kept) in fp32: the infinity norm reads ``t`` once (abs() then amax()
-    would write and read a copy), in one launch. A maximum rounds nothing; NaN and inf propagate."""
-    return torch.linalg.vector_norm(t, ord=float("inf"), dim=axis, keepdim=axis is not None, dtype=torch.float32)
-
-
 def quantize(t: torch.Tensor, dtype: torch.dtype, layout: str, *, scale: Optional[torch.Tensor] = None,
-             amax: Optional[torch.Tensor] = None, fused: bool = True
+             amax: Optional[torch.Tensor] = None, fused: bool = True, record: Optional[torch.Tensor] = None
              ) -> tuple[Optional[Fp8Operand], Optional[Fp8Operand]]:
     """(``t``'s operand contracting its dimension 1, the one contracting dimension 0), each None where
     ``layout`` does not ask for it. The scale is ``scale``, or comes from ``amax`` (a rowwise amax is
-    kept along the contracted dimension). ``fused``: the one-launch kernel where it runs (the same bytes)."""
+    kept along the contracted dimension). ``fused``: the one-launch kernel where it runs (the same bytes).
+    ``record`` (one fp32 value): the same read also takes ``record = max(record, max |t|)``."""
     if (scale is None) == (amax is None):
         raise ValueError("quantize: give the scale or the amax, one of them")
     cast = fp8_cast if fused else fp8_cast_reference
-    row, col, s, inv = cast(t, scale if scale is not None else amax, dtype, layout, amax is not None)
+    row, col, s, inv = cast(t, scale if scale is not None else amax, dtype, layout, amax is not None, record)
     per_row = s.dim() == 2
     return (None if row is None else Fp8Operand(row, s, inv),
             None if col is None else Fp8Operand(col, s.t() if per_row else s, inv.t() if per_row else inv))

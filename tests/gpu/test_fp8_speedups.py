@@ -145,3 +145,27 @@ def test_rowwise_gemm_applies_its_scales_in_the_kernel(fast_accum):
     got32 = scaled_mm(a, b, torch.float32, fast_accum=fast_accum, emulate=False, bias=bias)
     assert got32.dtype == torch.float32
     torch.testing.assert_close(got32, got.float() + bias, rtol=0, atol=0)
+
+
+def test_cast_kernel_records_the_amax_it_reads():
+    """Delayed scaling's record in the cast's read: amax_out = max(amax_out, max |x|) as the reference
+    takes it (torch.maximum of the infinity norm), exactly; below, above and NaN, in both kernels."""
+    from parallel3d.fused import _ext
+    from parallel3d.fused.fp8_cast import fp8_cast, fp8_cast_reference
+
+    assert _ext.get_ext() is not None, f"the CUDA kernels did not load, so nothing would be compared: {_ext.load_error()}"
+    torch.manual_seed(0)
+    s = torch.tensor(3.0, device="cuda")
+    for shape in ((256, 128), (37, 70)):  # the 64 x 64 tiled kernel, and tiles cut by both edges
+        x = (torch.randn(*shape, device="cuda") * 5).bfloat16()
+        for start in (0.0, 1e3, float("nan")):
+            for poison in (None, float("inf"), float("nan")):
+                t = x.clone()
+                if poison is not None:
+                    t[shape[0] - 1, shape[1] // 2] = -poison if poison == float("inf") else poison
+                got = torch.full((1,), start, device="cuda")
+                want = got.clone()
+                fp8_cast(t, s, torch.float8_e4m3fn, "both", False, amax_out=got)
+                fp8_cast_reference(t, s, torch.float8_e4m3fn, "both", False, amax_out=want)
+                assert torch.equal(got, want) or (got.isnan().all() and want.isnan().all()), (shape, start, poison,
+                                                                                              got, want)
