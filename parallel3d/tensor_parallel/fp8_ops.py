@@ -60,12 +60,15 @@ def scaled_mm(a: Fp8Operand, b: Fp8Operand, out_dtype: torch.dtype, *, fast_accu
     scale_a, scale_b = a.scale_inv, b.scale_inv
     scale_b = scale_b.t() if rowwise else scale_b  # [1, N]: one per output column
     dtype = torch.bfloat16 if rowwise and out_dtype in (torch.float16, torch.float32) else out_dtype
-    post_bias = bias if dtype == torch.float32 else None  # _scaled_mm adds no bias to an fp32 result
+    # _scaled_mm adds a bias of the result's dtype only, and none to an fp32 result: an fp32 result (or a
+    # rowwise fp16 one, computed in bf16) gets its bias added afterwards, in the dtype asked for.
+    in_kernel = bias is not None and dtype == out_dtype != torch.float32
     out = torch._scaled_mm(a.data, b.data.t(), scale_a=scale_a, scale_b=scale_b,
-                           bias=None if post_bias is not None else bias, out_dtype=dtype, use_fast_accum=fast_accum)
-    if post_bias is not None:
-        out += post_bias
-    return out.to(out_dtype)
+                           bias=bias if in_kernel else None, out_dtype=dtype, use_fast_accum=fast_accum)
+    out = out.to(out_dtype)
+    if bias is not None and not in_kernel:
+        out += bias
+    return out
 
 
 def scaled_mm_accumulate(a: Fp8Operand, b: Fp8Operand, out: torch.Tensor, *, emulate: bool) -> None:
