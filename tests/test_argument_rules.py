@@ -15,6 +15,13 @@ def _problems(argv, world=1):
     return info.value.problems
 
 
+def test_bounds_are_checked_in_validation():
+    """The script's one-line refusal is tests/test_arguments.py's (a process each); these bounds are the same
+    rule in validate_args, checked here without a process."""
+    assert _problems(["--make-vocab-size-divisible-by", "0", "--eval-iters", "-1"]) == [
+        "--make-vocab-size-divisible-by must be >= 1, got 0", "--eval-iters must be >= 0, got -1"]
+
+
 def test_every_bad_value_of_a_command_line_is_reported_at_once():
     problems = _problems(["--micro-batch-size", "0", "--lr", "-1", "--bf16", "--fp16", "--seed", "-3",
                           "--tensor-model-parallel-size", "3"], world=2)

@@ -192,8 +192,6 @@ def test_corrupt_tokenizer_json_names_the_file(tmp_path):
 # The real script, one process: one line on stderr, non-zero exit, well under 10 s, nothing started.
 SCRIPT_CASES = [
     (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1, got 0"),
-    (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by must be >= 1, got 0"),
-    (["--eval-iters", "-1"], "--eval-iters must be >= 0, got -1"),
     (["--train-iters", "10", "--lr-warmup-iters", "20"], "--lr-warmup-iters (20) must be < --lr-decay-iters (10"),
     (["--sample-tokens", "-1"], "--sample-tokens must be >= 0, got -1"),
     (["--hidden-size", "65536", "--num-attention-heads", "64"], "GiB per process by the planner's estimate"),
