@@ -13,7 +13,7 @@ Failures are loud and bounded:
   (a watchdog thread), so the error says where each rank was waiting; then
   every process is killed. No process outlives the call.
 
-Processes come from a forkserver that has already imported torch, so starting
+Processes come from a forkserver that has already imported torch and parallel3d (PRELOAD), so starting
 8 ranks costs well under a second each even on 2 cores; rendezvous goes through
 a FileStore in a fresh temporary directory, so tests need no free port and can
 run in parallel.
@@ -34,13 +34,19 @@ import traceback
 from typing import Any, Callable, Sequence
 
 _CTX = None
+# Imported once by the forkserver, so no rank pays for them (each rank imports the module of its worker
+# function, which imports these): torch, the training application, the models, the checkpoint tools, and
+# pytest (a quarter of a second a rank on its own). A module that fails to import here is skipped by
+# multiprocessing, and a rank that needs it imports it as before.
+PRELOAD = ["torch", "torch.distributed", "parallel3d", "parallel3d.training", "parallel3d.models",
+           "parallel3d.tools.generate", "pytest"]
 
 
 def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "parallel3d"])
+        _CTX.set_forkserver_preload(PRELOAD)
     return _CTX
 
 
