@@ -157,7 +157,6 @@ class Fp8Scaling(nn.Module):
             self.register_buffer("amax_pending", torch.zeros(3, device=device), persistent=False)
             self.register_load_state_dict_post_hook(_history_loaded)
         self.has_history = False  # delayed: no update yet, so the first step scales like tensorwise
-        self._steps = 0  # delayed: updates so far (the weight's amax is recorded once per step)
 
     def extra_repr(self) -> str:
         return f"{self.recipe.format}, {self.recipe.recipe}, partition_dim={self.partition_dim}"
@@ -253,13 +252,14 @@ class Fp8Scaling(nn.Module):
 
     def _record_weight(self, weight: torch.Tensor) -> None:
         """Delayed scaling: the weight's local amax joins the step's once a step (the weight does not change
-        within one; every micro-batch's forward would record the same value)."""
+        within one; every micro-batch's forward would record the same value). The cache entry is the step's:
+        its key holds the scale's version, which each update changes."""
         cache = self._weight_entry(weight)
-        if cache.get("recorded") != self._steps:
+        if not cache.get("recorded"):
             if "amax" not in cache:
                 cache["amax"] = local_amax(weight.detach())
             self._record(weight, WEIGHT, cache["amax"])
-            cache["recorded"] = self._steps
+            cache["recorded"] = True
 
     # --- the three GEMMs ------------------------------------------------------------------------------
     def keeps_input_operand(self) -> bool:
@@ -351,7 +351,6 @@ class Fp8Scaling(nn.Module):
         self.scale.copy_(torch.where(keep, new, self.scale))
         self.amax_pending.zero_()
         self.has_history = True
-        self._steps += 1
 
 
 def _history_loaded(module: Fp8Scaling, _incompatible_keys: Any) -> None:
