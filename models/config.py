@@ -74,18 +74,17 @@ def num_floating_point_operations(*, batch_size: int, seq_length: int, num_layer
 
 
 def cuda_graph_blockers(hidden_dropout: float, attention_dropout: float = 0.0,
-                        recompute_granularity: Optional[str] = None, fp8: Optional[str] = None,
-                        compile_layers: bool = False) -> list[str]:
+                        recompute_granularity: Optional[str] = None, compile_layers: bool = False) -> list[str]:
     """What a captured layer cannot hold, each named with its fix: dropout where torch's generators have no
     graph-safe states (the RNG tracker swaps them in; training/cuda_graphs.py registers them with each graph), a
-    second forward inside backward (recompute), FP8's Python-side scaling state and Inductor's own graphs. The
+    second forward inside backward (recompute) and Inductor's own graphs (FP8 is held: its cached weight operands
+    are refreshed in place before each replay, training/cuda_graphs.py). The
     one rule for the refusal (TransformerConfig), the default (the training arguments turn the graphs on where
     none applies) and the planner (on the fields a plan knows)."""
     blockers = {
         f"hidden_dropout / attention_dropout > 0 (set both to 0: torch {torch.__version__}'s generators have no "
         "graph-safe states)": (hidden_dropout > 0 or attention_dropout > 0) and not GRAPH_SAFE_RNG,
         "recompute_granularity (drop recomputation)": recompute_granularity is not None,
-        "fp8 (train in bf16)": fp8 is not None,
         "compile_layers (--compile: choose one)": bool(compile_layers),
     }
     return [name for name, applies in blockers.items() if applies]
@@ -277,7 +276,7 @@ class TransformerConfig:
     def cuda_graph_blocked_by(self) -> list[str]:
         """What of this config a captured layer cannot hold (cuda_graph_blockers)."""
         return cuda_graph_blockers(self.hidden_dropout, self.attention_dropout, self.recompute_granularity,
-                                   self.fp8, self.compile_layers)
+                                   self.compile_layers)
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_model_parallel_size

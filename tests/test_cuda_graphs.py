@@ -24,7 +24,6 @@ def _config(**overrides):
 
 @pytest.mark.parametrize("overrides, named", [
     ({"recompute_granularity": "full"}, "recompute_granularity"),
-    ({"fp8": "hybrid", "bf16": True}, "fp8"),
     ({"compile_layers": True}, "compile_layers"),
     ({"cuda_graph_warmup_steps": 0}, "cuda_graph_warmup_steps must be a positive integer"),
 ])
@@ -36,6 +35,8 @@ def test_what_a_graph_cannot_hold_is_refused_by_name(overrides, named):
 def test_a_config_a_graph_can_hold_is_accepted():
     cfg = _config()
     assert cfg.enable_cuda_graph and cfg.cuda_graph_warmup_steps == 3
+    # FP8's cached weight operands are refreshed in place before each replay (tensor_parallel/fp8.py)
+    assert _config(fp8="hybrid", bf16=True).cuda_graph_blocked_by() == []
 
 
 @pytest.mark.parametrize("overrides", [{"hidden_dropout": 0.1}, {"attention_dropout": 0.1}])
@@ -49,6 +50,22 @@ def test_dropout_is_held_where_generators_have_graph_safe_states_and_refused_by_
     monkeypatch.setattr(model_config, "GRAPH_SAFE_RNG", False)
     with pytest.raises(ValueError, match=re.escape("hidden_dropout / attention_dropout > 0 (set both to 0")):
         _config(**overrides)
+
+
+@pytest.mark.parametrize("flags, graphs", [
+    ([], False),  # bf16 on one GPU: the graphs gained nothing
+    (["--tensor-model-parallel-size", "2"], True),
+    (["--fp8-format", "hybrid"], True),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--cuda-graph-impl", "none"], False),
+    (["--fp8-format", "hybrid", "--recompute-granularity", "full"], False),
+])
+def test_graphs_are_the_default_of_tensor_parallel_and_fp8_runs_on_gpus(monkeypatch, flags, graphs):
+    """Where the eager step waits on the host's launches (TP, FP8: BENCHMARKS.md) and nothing blocks a graph."""
+    from parallel3d.training import arguments
+
+    monkeypatch.setattr(arguments, "default_backend", lambda: "nccl")
+    args = validate_args(parse_args(BASE + ["--bf16"] + flags), 2 if "--tensor-model-parallel-size" in flags else 1)
+    assert args.enable_cuda_graph is graphs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
@@ -247,10 +264,12 @@ def test_the_log_says_how_a_tensor_parallel_run_launches_its_layers(monkeypatch)
     from parallel3d.training.cuda_graphs import describe
 
     assert describe(_config(enable_cuda_graph=False)) is None  # one GPU, eager: nothing to say
+    assert describe(_config(enable_cuda_graph=False, fp8="hybrid", bf16=True)).startswith(
+        "layers launched eagerly (CUDA graphs, the default for TP and FP8 on GPUs, are off")
     assert describe(_config(tensor_model_parallel_size=2, sequence_parallel=True)) == (
         "TP=2 + SP, layers launched as CUDA graphs: captured after 3 eager steps, then replayed (--enable-cuda-graph)")
     assert describe(_config(tensor_model_parallel_size=2, enable_cuda_graph=False)).endswith(
-        "layers launched eagerly (CUDA graphs, the default for TP on GPUs, are off: --cuda-graph-impl none, a "
+        "layers launched eagerly (CUDA graphs, the default for TP and FP8 on GPUs, are off: --cuda-graph-impl none, a "
         "zero-bubble schedule, or CPU ranks)")
     assert describe(_config(tensor_model_parallel_size=2, enable_cuda_graph=False,
                             recompute_granularity="full")).endswith("are off: recompute_granularity (drop recomputation))")

@@ -403,6 +403,53 @@ def test_tp_amax_all_reduces_one_per_gemm_at_most():
             assert len(cached) <= len(fresh) <= 4, (where, cached, fresh)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+@pytest.mark.parametrize("layer", [ColumnParallelLinear, RowParallelLinear])
+def test_weight_cache_in_place_for_cuda_graphs(recipe, layer):
+    """Under CUDA graphs a replay reads the cached operands' tensors it captured: ``refresh_weight`` (called by
+    training/cuda_graphs.py before each replay, as here) quantizes a changed weight into those very tensors."""
+    torch.manual_seed(0)
+    batches = [torch.randn(6, 24) * (1 + m) for m in range(3)]
+    go = torch.randn(6, 40) * 1e-3
+    runs, addresses = {}, set()
+    for in_place in (True, False):
+        torch.manual_seed(1)
+        lin = layer(24, 40, fp8=Fp8Recipe(recipe=recipe), bias=False)
+        scaling, forward = lin.fp8_scaling, lin.forward
+        scaling.cache_weights = scaling.weight_cache_in_place = in_place
+
+        def refreshed(x, scaling=scaling, forward=forward, lin=lin, in_place=in_place):
+            if in_place:
+                scaling.refresh_weight(lin.weight)
+                addresses.add(tuple(t.data_ptr() for gemm in ("fprop", "dgrad") for t in scaling._weight_cache[gemm]))
+            return forward(x)
+
+        lin.forward = refreshed
+        runs[in_place] = _run_steps(lin, batches, go, steps=3)
+    for i, (a, b) in enumerate(zip(runs[True], runs[False], strict=True)):
+        assert torch.equal(a, b), f"tensor {i} differs"
+    assert len(addresses) == 1, "a refresh put the weight's operands into new tensors, which no graph reads"
+
+
+def test_graph_capture_keeps_the_steps_amaxes_and_needs_delayed_history():
+    """The capture's warm-up runs forward and backward on made-up inputs: the step's pending amaxes stay as
+    they were, and the next training forward records the weight's amax. Delayed scaling without a history is
+    refused (the graphs would hold the first step's current-scaling path)."""
+    from parallel3d.tensor_parallel.fp8 import WEIGHT, fp8_graph_capture, local_amax
+
+    lin = ColumnParallelLinear(16, 8, fp8=Fp8Recipe(recipe="delayed"), bias=False)
+    with pytest.raises(RuntimeError, match="no amax history yet"), fp8_graph_capture([lin]):
+        pass
+    lin(torch.randn(4, 16))[0].sum().backward()
+    update_fp8_scaling([lin], None)
+    before = lin.fp8_scaling.amax_pending.clone()
+    with fp8_graph_capture([lin]):
+        lin(100 * torch.randn(4, 16))[0].sum().backward()
+    assert torch.equal(lin.fp8_scaling.amax_pending, before), "the capture's made-up inputs entered the step's amaxes"
+    lin.fp8_scaling.refresh_weight(lin.weight)
+    assert lin.fp8_scaling.amax_pending[WEIGHT] == local_amax(lin.weight.detach())
+
+
 def test_weights_made_in_inference_mode_are_quantized_afresh():
     """An inference tensor has no version counter, so an in-place change could not be seen: not cached."""
     with torch.inference_mode():

@@ -40,6 +40,7 @@ the amax all-reduce of a miss stays matched.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Iterable, Optional
 
@@ -151,6 +152,9 @@ class Fp8Scaling(nn.Module):
         # False: on CUDA, the eager operations instead of the one-launch cast kernel (the same bytes).
         self.fused_cast = fused_cast
         self._weight_cache: dict[str, Any] = {}
+        # True while CUDA graphs replay this linear (training/cuda_graphs.py): a graph reads the cached operands'
+        # tensors, so a changed weight is quantized again into those same tensors, not into new ones.
+        self.weight_cache_in_place = False
         if recipe.recipe == "delayed":
             self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
             self.register_buffer("scale", torch.ones(3, device=device))
@@ -225,8 +229,10 @@ class Fp8Scaling(nn.Module):
         key = (weight.device, weight.data_ptr(), weight._version, weight.shape, weight.stride(),
                (self.scale._version, self._from_history()) if delayed else None)
         if self._weight_cache.get("key") != key:
+            kept = {g: self._weight_cache[g] for g in ("fprop", "dgrad") if g in self._weight_cache} \
+                if self.weight_cache_in_place else {}
             # Holding the weight keeps its storage, so no other tensor takes its address while cached.
-            self._weight_cache = {"key": key, "weight": weight.detach()}
+            self._weight_cache = {"key": key, "weight": weight.detach(), "kept": kept}
         return self._weight_cache
 
     def _weight_operands(self, weight: torch.Tensor, gemm: str, scale: Optional[torch.Tensor],
@@ -246,6 +252,8 @@ class Fp8Scaling(nn.Module):
             other_amax = rest[0] if rest else None
         layout = ("row" if gemm == "fprop" else "col") if self._rowwise() or not self._caches(weight) else "both"
         row, col = self._quantize(weight, WEIGHT, layout, scale=scale, amax=None if scale is not None else amax)
+        kept = cache.get("kept", {})
+        row, col = _into(kept.get("fprop"), row), _into(kept.get("dgrad"), col)
         cache.update({"fprop": row} if row is not None else {})
         cache.update({"dgrad": col} if col is not None else {})
         return (row if gemm == "fprop" else col), other_amax
@@ -260,6 +268,18 @@ class Fp8Scaling(nn.Module):
                 cache["amax"] = local_amax(weight.detach())
             self._record(weight, WEIGHT, cache["amax"])
             cache["recorded"] = True
+
+    def refresh_weight(self, weight: torch.Tensor) -> None:
+        """Before a captured layer replays (training/cuda_graphs.py): the weight's operands of both GEMMs, where the
+        weight (delayed: or its scale) changed, quantized into the tensors the graph reads; and, delayed in a
+        training forward, its amax recorded for the step. The eager forward's own calls, made before the replay."""
+        if not self._caches(weight):
+            return  # no cache: the graph quantizes the weight itself
+        scale = self.scale.clone()[WEIGHT] if self._from_history() else None
+        for gemm in ("fprop", "dgrad"):
+            self._weight_operands(weight, gemm, scale)
+        if self.recipe.recipe == "delayed" and self.training:
+            self._record_weight(weight)
 
     # --- the three GEMMs ------------------------------------------------------------------------------
     def keeps_input_operand(self) -> bool:
@@ -351,6 +371,38 @@ class Fp8Scaling(nn.Module):
         self.scale.copy_(torch.where(keep, new, self.scale))
         self.amax_pending.zero_()
         self.has_history = True
+
+
+def _into(kept: Optional[Fp8Operand], fresh: Optional[Fp8Operand]) -> Optional[Fp8Operand]:
+    """``fresh``'s values in ``kept``'s tensors (which a CUDA graph reads), or ``fresh`` where none is kept."""
+    if kept is None or fresh is None:
+        return fresh
+    for dst, src in zip(kept, fresh):
+        dst.copy_(src)
+    return kept
+
+
+@contextlib.contextmanager
+def fp8_graph_capture(modules: Iterable[nn.Module]):
+    """Around capturing ``modules`` as CUDA graphs: their weight caches are updated in place from then on (the
+    graphs read the captured tensors); delayed scaling must have its history (the graphs hold the path that
+    scales from it); and the capture's warm-up forwards and backwards, on made-up inputs, leave the step's
+    pending amaxes as they were and the weights' amaxes to be recorded by the next training forward."""
+    scalings = [m for module in modules for m in module.modules() if isinstance(m, Fp8Scaling)]
+    missing = [m for m in scalings if m.recipe.recipe == "delayed" and not m.has_history]
+    if missing:
+        raise RuntimeError(f"CUDA graph capture: {len(missing)} delayed-scaling FP8 linears have no amax history yet; "
+                           "capture after at least one training step (--cuda-graph-warmup-steps >= 1)")
+    pending = [m.amax_pending.clone() for m in scalings if m.recipe.recipe == "delayed"]
+    for m in scalings:
+        m.weight_cache_in_place = True
+    try:
+        yield
+    finally:
+        for m, saved in zip([m for m in scalings if m.recipe.recipe == "delayed"], pending):
+            m.amax_pending.copy_(saved)
+        for m in scalings:
+            m._weight_cache.pop("recorded", None)
 
 
 def _history_loaded(module: Fp8Scaling, _incompatible_keys: Any) -> None:

@@ -278,9 +278,10 @@ def _layout_rule(rule: Callable[..., Any], *sizes: Any) -> Any:
 
 def _cuda_graph_rules(args: argparse.Namespace) -> None:
     """Per-layer CUDA graphs: refused where a graph cannot hold the run; where no flag decides
-    (--cuda-graph-impl unset), on in every TP > 1 run on GPUs that a graph can hold. There the eager step is
-    bound by the host's launches and the graphs measured faster on every TP layout (BENCHMARKS.md, issue 26);
-    one GPU gained nothing. --cuda-graph-impl none keeps the layers eager."""
+    (--cuda-graph-impl unset), on in every TP > 1 or FP8 run on GPUs that a graph can hold. There the eager
+    step is bound by the host's launches and the graphs measured faster (every TP layout: BENCHMARKS.md, issue
+    26; FP8, each recipe: issue 28's eleventh lease); bf16 on one GPU gained nothing. --cuda-graph-impl none
+    keeps the layers eager."""
     zero_bubble = splits_backward(args.pipeline_schedule, args.pipeline_model_parallel_size)
     if args.enable_cuda_graph:
         if zero_bubble:
@@ -296,9 +297,10 @@ def _cuda_graph_rules(args: argparse.Namespace) -> None:
     if args.cuda_graph_impl is not None:  # --cuda-graph-impl none
         return
     blockers = cuda_graph_blockers(args.hidden_dropout, args.attention_dropout, args.recompute_granularity,
-                                   args.fp8, args.compile)
+                                   args.compile)
     on_gpus = (args.distributed_backend or default_backend()) == "nccl"
-    args.enable_cuda_graph = args.tensor_model_parallel_size > 1 and on_gpus and not zero_bubble and not blockers
+    host_bound = args.tensor_model_parallel_size > 1 or args.fp8 is not None
+    args.enable_cuda_graph = host_bound and on_gpus and not zero_bubble and not blockers
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:

@@ -3,7 +3,7 @@ after ``--cuda-graph-warmup-steps`` eager steps, then replayed.
 
 Why: a replay is one launch where the eager layer makes a hundred or more. A TP=2 GPT-1.3B step at
 micro-batch 4 is set by the host's launches, not by the GPU (BENCHMARKS.md, issue 26's third lease). So
-graphs are the default of TP runs on GPUs that a graph can hold (``arguments._cuda_graph_rules``);
+graphs are the default of TP and FP8 runs on GPUs that a graph can hold (``arguments._cuda_graph_rules``);
 ``--cuda-graph-impl none`` keeps the layers eager.
 
 How: ``torch.cuda.make_graphed_callables`` over a chunk's layers, each with its input's shape (a
@@ -16,6 +16,12 @@ What a graph cannot hold is refused before any work (``TransformerConfig._check_
 zero-bubble schedules, whose W split runs outside a layer's backward, in the training arguments). Dropout
 can be held: its kernels read their Philox seed and offset from generator states that each graph registers
 (tensor_parallel/random.py), so a replay draws new numbers, the same ones as an eager layer.
+
+FP8 (tensor_parallel/fp8.py): a weight's FP8 operands are cached for the step, and a graph reads the cached
+tensors it captured; so under graphs a changed weight is quantized again into those same tensors, by the
+replay's Python before the layer's graph (``Fp8Scaling.refresh_weight``), which also records a delayed-scaling
+weight's amax once a step. The capture's warm-up on made-up inputs leaves the step's amaxes as they were
+(``fp8_graph_capture``).
 
 The fused weight gradient (``gradient_accumulation_fusion``) writes into ``main_grad`` inside the
 backward graph. It also tells the DDP hook, in Python, not to add the placeholder gradient it returns
@@ -36,6 +42,7 @@ import torch
 from torch import nn
 
 from parallel3d.pipeline.forward_backward import PipelineConfig
+from parallel3d.tensor_parallel.fp8 import fp8_graph_capture
 from parallel3d.tensor_parallel.random import get_cuda_rng_tracker
 
 
@@ -149,9 +156,14 @@ class LayerGraphs(InFlight):
         # nothing here (autograd.grad accumulates nothing). The replays run on the training stream.
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
         try:  # one capture per slot, each with a memory pool of its own
-            self.graphed = [capture() for _ in range(slots)]
+            with fp8_graph_capture(layers):
+                self.graphed = [capture() for _ in range(slots)]
         finally:
             torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(True)
+        # FP8 linears: the graphs read each weight's cached FP8 operands, which the replay's Python refreshes first
+        self.fp8 = [[(m.fp8_scaling, m) for m in layer.modules()
+                     if getattr(m, "fp8_scaling", None) is not None and getattr(m, "weight", None) is not None]
+                    for layer in layers]
         self.free = list(range(slots))
         self.replayed = 0  # training forwards that replayed a slot (the rest ran eagerly)
         # The capture ran each layer's Python: the weights whose fused wgrad wrote into main_grad are those it
@@ -180,6 +192,8 @@ class LayerGraphs(InFlight):
             self.free.append(slot)
 
     def layer(self, slot: int, index: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        for scaling, linear in self.fp8[index]:  # a changed weight quantized again, where its graph reads it
+            scaling.refresh_weight(linear.weight)
         out = self.graphed[slot][index](hidden_states)
         fused = self.fused[index]
         if fused and out.requires_grad:
@@ -198,10 +212,10 @@ def count_in_flight(model: list) -> None:
 
 
 def describe(config) -> Optional[str]:
-    """The training log's line on how a tensor-parallel run's layers are launched (None without TP or graphs)."""
+    """The training log's line on how a TP or FP8 run's layers are launched (None without TP, FP8 or graphs)."""
     graphs = getattr(config, "enable_cuda_graph", False)
     tp = getattr(config, "tensor_model_parallel_size", 1)
-    if tp == 1 and not graphs:
+    if tp == 1 and getattr(config, "fp8", None) is None and not graphs:
         return None
     tp_part = f"TP={tp}{' + SP' if getattr(config, 'sequence_parallel', False) else ''}, " if tp > 1 else ""
     if graphs:
@@ -209,7 +223,7 @@ def describe(config) -> Optional[str]:
                 "steps, then replayed (--enable-cuda-graph)")
     blockers = config.cuda_graph_blocked_by()
     why = "; ".join(blockers) if blockers else "--cuda-graph-impl none, a zero-bubble schedule, or CPU ranks"
-    return f"{tp_part}layers launched eagerly (CUDA graphs, the default for TP on GPUs, are off: {why})"
+    return f"{tp_part}layers launched eagerly (CUDA graphs, the default for TP and FP8 on GPUs, are off: {why})"
 
 
 def _blocks(model: list):

@@ -1,5 +1,6 @@
-"""FP8 on GPUs: TP=2 + SP and PP=2 (1F1B and ZB-H1, whose W step runs the deferred weight-gradient GEMM)
-train like one GPU in the same FP8 recipe, both model families, each of Megatron's recipes we accept.
+"""FP8 on GPUs: TP=2 + SP (eager and replayed as CUDA graphs), PP=2 (1F1B and ZB-H1, whose W step runs the
+deferred weight-gradient GEMM) and one GPU with CUDA graphs train like one eager GPU in the same FP8 recipe, both
+model families, each of Megatron's recipes we accept.
 
     python3 -m pytest -q -rs tests/gpu/test_fp8_parity.py     (docs/gpu-tests.md: the tolerance, derived)
 
@@ -23,9 +24,12 @@ from test_nccl_parity import BF16_STEP, GPUS, _case, _rank_records, launch
 FAMILIES = ("gpt2", "llama")
 RECIPES = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise")  # tests/gpu/parity_worker.py's PRECISIONS
 # name: (TP, PP, V, SP, extra flags), on 2 GPUs
-LAYOUTS = {"tp2-sp": (2, 1, None, True, []),
+GRAPHS = ["--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"]  # replayed from the second step
+LAYOUTS = {"tp2-sp": (2, 1, None, True, ["--cuda-graph-impl", "none"]),
+           "tp2-sp-graph": (2, 1, None, True, GRAPHS),
            "pp2-1f1b": (1, 2, None, False, []),
            "pp2-zbh1": (1, 2, None, False, ["--pipeline-schedule", "zb-h1"])}
+ONE_GPU_GRAPHS = (1, 1, None, False, GRAPHS)  # run in the references' launch
 
 
 def _why_not() -> str:
@@ -46,6 +50,11 @@ def layout_cases():
             for lname, layout in LAYOUTS.items() for family in FAMILIES for recipe in RECIPES]
 
 
+def one_gpu_graph_cases():
+    return [_case("layout", f"1gpu-graph-{family}-{recipe}", family, recipe, ONE_GPU_GRAPHS)
+            for family in FAMILIES for recipe in RECIPES]
+
+
 @pytest.fixture(scope="module")
 def fp8_out(tmp_path_factory):
     """References and FP8's effect on one GPU, after building the kernels once; then every 2-GPU layout."""
@@ -56,7 +65,7 @@ def fp8_out(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("fp8_parity"))
     refs = [_case("reference", f"ref_{f}_bf16", f, "bf16") for f in FAMILIES]
     refs += [{**_case("reference", f"ref_{f}_{r}", f, r), "against": "bf16"} for f in FAMILIES for r in RECIPES]
-    launch(1, refs, out, "cuda")
+    launch(1, refs + one_gpu_graph_cases(), out, "cuda")
     if GPUS >= 2:
         launch(2, layout_cases(), out, "cuda")
     return out
@@ -76,6 +85,8 @@ def check_fp8_case(out, case):
                                                   f"({bf16['losses'][0]}): FP8 did not take effect"
     for rank, rec in enumerate(_rank_records(out, name)):
         where = f"{name} rank {rank}"
+        if "graph" in name:  # the graphs ran, not only the eager layers beside them
+            assert rec["cuda_graph_replays"] > 0, f"{where}: no training forward replayed its CUDA graphs"
         for what in ("losses", "grad_norms"):
             for it, (got, want, plain) in enumerate(zip(rec[what], ref[what], bf16[what], strict=True)):
                 bound = max(BF16_STEP * abs(want), 2 * abs(want - plain))
@@ -92,6 +103,12 @@ def check_fp8_case(out, case):
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, this machine has {GPUS}")
 @pytest.mark.parametrize("case", layout_cases(), ids=lambda c: c["name"])
 def test_fp8_layout_equals_one_gpu(fp8_out, case):
+    check_fp8_case(fp8_out, case)
+
+
+@pytest.mark.parametrize("case", one_gpu_graph_cases(), ids=lambda c: c["name"])
+def test_fp8_with_cuda_graphs_on_one_gpu_equals_eager(fp8_out, case):
+    """The layers replayed as CUDA graphs, their FP8 weight operands refreshed in place before each replay."""
     check_fp8_case(fp8_out, case)
 
 
