@@ -1,6 +1,6 @@
-"""FP8 on GPUs: TP=2 + SP (eager and replayed as CUDA graphs), PP=2 (1F1B and ZB-H1, whose W step runs the
-deferred weight-gradient GEMM) and one GPU with CUDA graphs train like one eager GPU in the same FP8 recipe, both
-model families, each of Megatron's recipes we accept.
+"""FP8 on GPUs: TP=2 + SP and PP=2 1F1B (each eager and replayed as CUDA graphs), PP=2 ZB-H1 (whose W step
+runs the deferred weight-gradient GEMM) and one GPU with CUDA graphs train like one eager GPU in the same
+FP8 recipe, both model families, each of Megatron's recipes we accept.
 
     python3 -m pytest -q -rs tests/gpu/test_fp8_parity.py     (docs/gpu-tests.md: the tolerance, derived)
 
@@ -27,7 +27,8 @@ RECIPES = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise")  # tests/gpu/parity_w
 GRAPHS = ["--enable-cuda-graph", "--cuda-graph-warmup-steps", "1"]  # replayed from the second step
 LAYOUTS = {"tp2-sp": (2, 1, None, True, ["--cuda-graph-impl", "none"]),
            "tp2-sp-graph": (2, 1, None, True, GRAPHS),
-           "pp2-1f1b": (1, 2, None, False, []),
+           "pp2-1f1b": (1, 2, None, False, ["--cuda-graph-impl", "none"]),
+           "pp2-1f1b-graph": (1, 2, None, False, GRAPHS),  # the first stage replays two slots
            "pp2-zbh1": (1, 2, None, False, ["--pipeline-schedule", "zb-h1"])}
 ONE_GPU_GRAPHS = (1, 1, None, False, GRAPHS)  # run in the references' launch
 
