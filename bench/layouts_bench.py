@@ -99,7 +99,9 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     **{f"llama3b{name}{mbs}": (1, LLAMA_3B + flags + (["--micro-batch-size", "2"] if mbs else []), [], False)
        for name, flags in (("", []), ("-graph", ["--enable-cuda-graph"]), ("-fp8", FP8_RECIPES["tensorwise"]),
                            ("-fp8-graph", FP8_RECIPES["tensorwise"] + ["--enable-cuda-graph"]),
-                           ("-fp8-rowwise", FP8_RECIPES["rowwise"]), ("-fp8-delayed", FP8_RECIPES["delayed"]))
+                           ("-fp8-rowwise", FP8_RECIPES["rowwise"]), ("-fp8-delayed", FP8_RECIPES["delayed"]),
+                           ("-fp8-rowwise-graph", FP8_RECIPES["rowwise"] + ["--enable-cuda-graph"]),
+                           ("-fp8-delayed-graph", FP8_RECIPES["delayed"] + ["--enable-cuda-graph"]))
        for mbs in ("", "-mbs2")},
 }
 # A row without --enable-cuda-graph measures the eager layers: parallel3d's default replays a TP run's layers
