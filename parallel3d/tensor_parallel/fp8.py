@@ -119,11 +119,11 @@ class Fp8Recipe:
             text += (f" (amax history {self.amax_history_len}, {self.amax_compute_algo}, margin {self.margin}, "
                      "updated once per step)")
         text += ", wgrad in FP8" if self.wgrad else ", wgrad in high precision"
-        # Said where the user reads it: correct, but its gain over our bf16 follows the host's speed and the
-        # micro-batch's size.
-        return text + ("; output layer and embeddings in high precision. Faster than bf16 only where the GPU, "
-                       "not the host, bounds the step (large micro-batches; slower at 2048 tokens a micro-batch "
-                       "on LLaMA-3B): see docs/fp8.md, 'Speed'")
+        # Said where the user reads it: the eager FP8 step launches more per linear than bf16's, so its gain
+        # needs the graphs (or a fast host and large micro-batches).
+        return text + ("; output layer and embeddings in high precision. Eager, small micro-batches wait on the "
+                       "host's launches (slower than bf16); with the layers as CUDA graphs, the default on GPUs, "
+                       "they do not: see docs/fp8.md, 'Speed'")
 
 
 # Which dimension of each 2D operand is split over TP: [partition_dim][role]. A column-parallel
