@@ -275,9 +275,11 @@ class Fp8Scaling(nn.Module):
         training forward, its amax recorded for the step. The eager forward's own calls, made before the replay."""
         if not self._caches(weight):
             return  # no cache: the graph quantizes the weight itself
-        scale = self.scale.clone()[WEIGHT] if self._from_history() else None
-        for gemm in ("fprop", "dgrad"):
-            self._weight_operands(weight, gemm, scale)
+        cache = self._weight_entry(weight)
+        if "fprop" not in cache or "dgrad" not in cache:  # else a hit: the later replays of the step launch nothing
+            scale = self.scale.clone()[WEIGHT] if self._from_history() else None
+            for gemm in ("fprop", "dgrad"):
+                self._weight_operands(weight, gemm, scale)
         if self.recipe.recipe == "delayed" and self.training:
             self._record_weight(weight)
 
