@@ -24,6 +24,9 @@ def _tp_forward_with_a_late_rank(rank, world_size):
     parallel_state.initialize_model_parallel(2, 1, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     torch.manual_seed(0)
     layer = tp.RowParallelLinear(8, 8, input_is_parallel=True)
+    # Both ranks here together, so rank 1's lateness is counted from rank 0's all-reduce, not from a set-up
+    # that a loaded machine can slow by seconds (rank 0 once reached the all-reduce after rank 1 had slept).
+    torch.distributed.barrier()
     if rank == 1:
         time.sleep(2.5 * TIMEOUT_S)  # past rank 0's timeout and its census (TIMEOUT_S more)
     try:
