@@ -229,4 +229,7 @@ def test_every_rank_prints_the_schedule_error_once_and_no_traceback(tmp_path):
     assert 'pretrain_gpt.py", line' not in proc.stderr and "lr_warmup_steps" not in proc.stderr, proc.stderr[-3000:]
     # issue 30 item 7: one line for the launch (rank 0), not one per rank; torchrun lists one failed process
     assert proc.stderr.count("error: --lr-warmup-iters (20) must be < --lr-decay-iters (10") == 1, proc.stderr[-3000:]
-    assert "<NO_OTHER_FAILURES>" in proc.stderr and "exitcode  : 2" in proc.stderr
+    # rank 0 alone fails (exit code 2); rank 1 exits 0, or, where a loaded machine slowed it past torchrun's
+    # next look, is listed as stopped by torchrun's own SIGTERM
+    codes = re.findall(r"exitcode  : (-?\d+)", proc.stderr)
+    assert codes.count("2") == 1 and all(c in ("2", "-15") for c in codes), proc.stderr[-3000:]
