@@ -6,6 +6,7 @@ test_checkpoint_save_faults.py.)
 A two-parameter module and SGD with momentum keep saves to milliseconds; one gloo run of two
 processes covers what needs real TP ranks (swapped shards, one rank's disk filling up).
 """
+import functools
 import os
 import subprocess
 import sys
@@ -240,30 +241,41 @@ def _verify_cli(*argv):
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
 
 
-def test_verify_checkpoint_tool_names_every_bad_file(saved):
+def _verify_in_process(capsys, *argv):
+    """The tool's main() here, its exit code and output as _verify_cli's (one interpreter start, not one a call)."""
+    from tools import verify_checkpoint
+
+    capsys.readouterr()
+    code = verify_checkpoint.main(list(argv))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["verify_checkpoint.py", *argv], code, out.out, out.err)
+
+
+def test_verify_checkpoint_tool_names_every_bad_file(saved, capsys):
     save_dir, model, opt, _ = saved
     checkpointing.save_checkpoint(save_dir, 3, model, opt)
-    ok = _verify_cli("--load", save_dir)
+    ok = _verify_cli("--load", save_dir)  # the script, once; the other verdicts from its main() in this process
     assert ok.returncode == 0 and "iter_0000003: every file matches its checksum" in ok.stdout, ok.stderr
+    _verify = functools.partial(_verify_in_process, capsys)
     flip_byte(ckpt_file(save_dir, f"{RANK}/model.safetensors", 3))
     with open(ckpt_file(save_dir, f"{RANK}/optimizer.pt", 3), "r+b") as f:
         f.truncate(100)
     os.remove(ckpt_file(save_dir, "rng/rank_00000.pt", 3))
     open(ckpt_file(save_dir, "stray.bin", 3), "wb").write(b"?")
-    bad = _verify_cli("--load", save_dir)
+    bad = _verify("--load", save_dir)
     assert bad.returncode == 1
     for line in ("model.safetensors fails its checksum", "optimizer.pt is 100 bytes but was saved as",
                  "rng/rank_00000.pt is missing", "stray.bin is not part of the checkpoint as saved",
                  "4 bad file(s)"):
         assert line in bad.stderr, bad.stderr
-    assert _verify_cli("--load", save_dir, "--iteration", "2").returncode == 0  # the older one is intact
+    assert _verify("--load", save_dir, "--iteration", "2").returncode == 0  # the older one is intact
     drop_checksums(save_dir, 2)
-    old = _verify_cli("--load", save_dir, "--iteration", "2")
+    old = _verify("--load", save_dir, "--iteration", "2")
     assert old.returncode == 0 and "records no checksums" in old.stderr and "every file opens" in old.stdout
     open(os.path.join(save_dir, checkpointing.LATEST_FILE), "wb").write(b"\xff\x00")
-    broken = _verify_cli("--load", save_dir)
+    broken = _verify("--load", save_dir)
     assert broken.returncode == 2 and "latest_checkpointed_iteration.txt is corrupt" in broken.stderr
-    gone = _verify_cli("--load", save_dir, "--iteration", "9")
+    gone = _verify("--load", save_dir, "--iteration", "9")
     assert gone.returncode == 2 and "iter_0000009 is missing" in gone.stderr
 
 
