@@ -243,7 +243,7 @@ def _verify_cli(*argv):
 
 def _verify_in_process(capsys, *argv):
     """The tool's main() here, its exit code and output as _verify_cli's (one interpreter start, not one a call)."""
-    from tools import verify_checkpoint
+    from parallel3d.tools import verify_checkpoint
 
     capsys.readouterr()
     code = verify_checkpoint.main(list(argv))
