@@ -391,17 +391,18 @@ def fp8_graph_capture(modules: Iterable[nn.Module]):
     scales from it); and the capture's warm-up forwards and backwards, on made-up inputs, leave the step's
     pending amaxes as they were and the weights' amaxes to be recorded by the next training forward."""
     scalings = [m for module in modules for m in module.modules() if isinstance(m, Fp8Scaling)]
-    missing = [m for m in scalings if m.recipe.recipe == "delayed" and not m.has_history]
+    delayed = [m for m in scalings if m.recipe.recipe == "delayed"]
+    missing = [m for m in delayed if not m.has_history]
     if missing:
         raise RuntimeError(f"CUDA graph capture: {len(missing)} delayed-scaling FP8 linears have no amax history yet; "
                            "capture after at least one training step (--cuda-graph-warmup-steps >= 1)")
-    pending = [m.amax_pending.clone() for m in scalings if m.recipe.recipe == "delayed"]
+    pending = [m.amax_pending.clone() for m in delayed]
     for m in scalings:
         m.weight_cache_in_place = True
     try:
         yield
     finally:
-        for m, saved in zip([m for m in scalings if m.recipe.recipe == "delayed"], pending):
+        for m, saved in zip(delayed, pending):
             m.amax_pending.copy_(saved)
         for m in scalings:
             m._weight_cache.pop("recorded", None)
