@@ -387,7 +387,9 @@ def _pipeline_sweep(rank, world_size, refs):
         for module, (sample,) in zip(callables, samples):
             inputs = [sample] + [p for p in module.parameters() if p.requires_grad]
             torch.autograd.grad(module(sample).sum(), inputs, allow_unused=allow_unused_input)
-        slots.append(id(callables[0].layer))  # a block's captures follow one another
+        # a block's captures follow one another; the block itself is kept, not its id(): a freed layout's
+        # block can share its address with the next layout's, which would merge two runs of captures
+        slots.append(callables[0].layer)
         stand_ins = tuple(_replayed(module) for module in callables)
         return tuple((lambda x, f=f: (replays.append(1), f(x))[1]) for f in stand_ins)
 
@@ -403,7 +405,7 @@ def _pipeline_sweep(rank, world_size, refs):
     torch.cuda.make_graphed_callables = capture  # this worker process only
     LayerGraphs._take = counted_take
     done = _sweep(rank, world_size, refs, PP_LAYOUTS, adjust=_with_graphs)
-    per_block = [len(list(run)) for _, run in itertools.groupby(slots)]
+    per_block = [len(list(run)) for _, run in itertools.groupby(slots, key=id)]
     return done, per_block, len(replays), len(eager)
 
 
