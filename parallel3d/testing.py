@@ -36,9 +36,10 @@ from typing import Any, Callable, Sequence
 _CTX = None
 # Imported once by the forkserver, so no rank pays for them (each rank imports the module of its worker
 # function, which imports these): torch, the training application, the models, the checkpoint tools, and
-# pytest (a quarter of a second a rank on its own). A module that fails to import here is skipped by
+# pytest (a quarter of a second a rank on its own), and torch._dynamo, which torch.optim's first optimizer
+# imports (over two seconds of CPU a rank). A module that fails to import here is skipped by
 # multiprocessing, and a rank that needs it imports it as before.
-PRELOAD = ["torch", "torch.distributed", "parallel3d", "parallel3d.training", "parallel3d.models",
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "parallel3d", "parallel3d.training", "parallel3d.models",
            "parallel3d.tools.generate", "pytest"]
 
 
