@@ -253,14 +253,14 @@ def test_training_job_exits_after_its_last_iteration(gpu_out, tmp_path, layout):
 
 
 def test_driver_on_cpu_ranks(tmp_path):
-    """The driver's 4-GPU path on 4 gloo ranks: TP x PP x V with SP (both families), TP=4, TP x DP, bf16, the
-    resume cases. Its other 4-GPU layouts are the same code with other sizes, and every layout's training is
-    compared on CPU ranks in tests/test_gpt_training.py: this test proves the GPU suite's driver."""
+    """The driver's 4-GPU path on 4 gloo ranks: each kind of case (reference, layout, resume), each family and
+    each check (fp32's and bf16's), in TP x PP x V with SP, the layout that uses every dimension of a world of
+    4. Its other 4-GPU layouts are the same code with other sizes, and every layout's training is compared on
+    CPU ranks in tests/test_gpt_training.py: this test proves the GPU suite's driver, not the layouts."""
     out = str(tmp_path)
-    refs = [_case("reference", f"ref_{f}_fp32", f, "fp32") for f in FAMILIES]
-    refs += [_case("reference", "ref_gpt2_bf16", "gpt2", "bf16")]
+    refs = [_case("reference", "ref_llama_fp32", "llama", "fp32"), _case("reference", "ref_gpt2_bf16", "gpt2", "bf16")]
     launch(1, refs, out, "cpu", timeout=240)
-    chosen = ("tp2-pp2-v2-sp-gpt2-fp32", "tp2-pp2-v2-sp-llama-fp32", "tp4-sp-gpt2-fp32", "tp2-dp2-llama-fp32")
+    chosen = ("tp2-pp2-v2-sp-llama-fp32",)
     cases = [c for c in layout_cases(4, dtypes=("fp32",)) if c["name"] in chosen]
     assert len(cases) == len(chosen), "a chosen case left LAYOUTS[4]: choose its successor"
     cases += [c for c in layout_cases(4, ("gpt2",), ("bf16",))
