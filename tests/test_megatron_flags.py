@@ -28,6 +28,21 @@ def test_attention_backend_takes_megatrons_values(value, backend):
     assert _validate([]).attention_backend == "sdpa"
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_bias_activation_fusion_follows_the_flag_of_the_models_activation(swiglu):
+    """Megatron's rule: --no-bias-swiglu-fusion turns the fusion off for a SwiGLU model, --no-bias-gelu-fusion
+    for a GeLU one; the other activation's flag changes nothing."""
+    from parallel3d.training import gpt
+
+    act = ["--swiglu"] if swiglu else []
+    own, other = ("--no-bias-swiglu-fusion", "--no-bias-gelu-fusion")[::1 if swiglu else -1]
+    fusion = {}
+    for flags in [(), (own,), (other,)]:
+        args = _validate(act + ["--vocab-size", "64"] + list(flags))
+        fusion[flags] = gpt.transformer_config_from_args(args).bias_activation_fusion
+    assert fusion == {(): True, (own,): False, (other,): True}
+
+
 @pytest.mark.parametrize("flag", sorted(REFUSED))
 def test_refused_flags_name_an_alternative(flag):
     with pytest.raises(ArgumentError, match=re.escape(flag) + " is not supported by parallel3d: .+"):

@@ -77,7 +77,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method or "uniform",
         recompute_num_layers=args.recompute_num_layers or 1, bf16=args.bf16, fp16=args.fp16,
         attention_backend=args.attention_backend, gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-        bias_activation_fusion=args.bias_gelu_fusion and args.bias_swiglu_fusion,
+        bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion,  # Megatron's rule
         bias_dropout_fusion=args.bias_dropout_fusion, masked_softmax_fusion=args.masked_softmax_fusion,
         apply_rope_fusion=args.apply_rope_fusion, compile_layers=args.compile, compile_backend=args.compile_backend,
         enable_cuda_graph=args.enable_cuda_graph, cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
