@@ -195,9 +195,9 @@ def test_each_slot_captures_its_own_static_inputs_and_wrappers(monkeypatch):
     assert all(sample.shape == shape and sample.requires_grad for _, samples in calls for (sample,) in samples)
 
 
-def _fake_capture(blocks, fail_after=None):
-    """Stands in for capture_cuda_graphs (CUDA only): puts a _Recording on every block, which raises at replay
-    number ``fail_after`` (a failed step) if given."""
+def _fake_capture(blocks, fail_after=None, error=None):
+    """Stands in for capture_cuda_graphs (CUDA only): puts a _Recording on every block, which raises ``error``
+    (default: a RuntimeError "a failed step") at replay number ``fail_after`` if given."""
     def capture(model, micro_batch_size):
         from parallel3d.training.cuda_graphs import _blocks
 
@@ -209,7 +209,7 @@ def _fake_capture(blocks, fail_after=None):
 
                 def failing(slot, index, hidden_states, layer=layer, recording=recording):
                     if len(recording.replayed) == fail_after:
-                        raise RuntimeError("a failed step")
+                        raise error or RuntimeError("a failed step")
                     return layer(slot, index, hidden_states)
 
                 recording.layer = failing
@@ -252,6 +252,48 @@ def test_a_failed_step_still_releases_the_graphs(monkeypatch):
         train(args)
     ((block, recording),) = blocks
     assert block.cuda_graphs is None and len(recording.replayed) == 3
+
+
+OOM = "CUDA out of memory. Tried to allocate 2.00 GiB."
+
+
+@pytest.mark.parametrize("where", ["capture", "replay", "no graphs"])
+def test_out_of_memory_with_graphs_names_the_flag_that_turns_them_off(monkeypatch, where):
+    """Graphs are on by default in TP and FP8 runs, and their pools hold memory the eager run does not: an out
+    of memory error once they are captured says so and names --cuda-graph-impl none; without graphs (or
+    before their capture) it is torch's own."""
+    from gpt_harness import layout_args, train
+    from parallel3d.training import training
+    from parallel3d.training.training_guards import TrainingError
+
+    def no_capture(model, micro_batch_size):
+        raise torch.cuda.OutOfMemoryError(OOM)
+
+    steps = []
+
+    def out_of_memory_step(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 2:  # the step after the graphs' warm-up step and their capture
+            raise torch.cuda.OutOfMemoryError(OOM)
+        return step(*args, **kwargs)
+
+    step = training.train_step
+    capture = {"capture": no_capture, "replay": _fake_capture([]), "no graphs": None}[where]
+    if capture is not None:
+        monkeypatch.setattr(training, "capture_cuda_graphs", capture)
+    if where != "capture":
+        monkeypatch.setattr(training, "train_step", out_of_memory_step)
+    args = layout_args("gpt2")
+    args.enable_cuda_graph, args.cuda_graph_warmup_steps = where != "no graphs", 1
+    if where == "no graphs":
+        with pytest.raises(torch.cuda.OutOfMemoryError) as info:
+            train(args)
+        assert "--cuda-graph-impl" not in str(info.value)
+        return
+    said = {"capture": "capturing the CUDA graphs after iteration 1", "replay": "iteration 2"}[where]
+    with pytest.raises(TrainingError, match=re.escape(said) + ": out of GPU memory with CUDA graphs on .*"
+                       "--cuda-graph-impl none keeps the layers eager .*" + re.escape(OOM)):
+        train(args)
 
 
 def test_the_log_says_how_a_tensor_parallel_run_launches_its_layers(monkeypatch):

@@ -44,6 +44,7 @@ from torch import nn
 from parallel3d.pipeline.forward_backward import PipelineConfig
 from parallel3d.tensor_parallel.fp8 import fp8_graph_capture
 from parallel3d.tensor_parallel.random import get_cuda_rng_tracker
+from parallel3d.training.training_guards import TrainingError
 
 
 @contextlib.contextmanager
@@ -274,3 +275,12 @@ def release_cuda_graphs(model: list, wait: bool = True) -> int:
     if held:
         gc.collect()  # the graphed autograd functions sit in reference cycles: free the graphs now, not later
     return replayed
+
+
+def out_of_memory(error: torch.cuda.OutOfMemoryError, where: str) -> TrainingError:
+    """A CUDA out-of-memory error of a run with graphs, with the flag that gives their memory back: each
+    captured graph keeps its layers' inputs, outputs and activations in a pool of its own, beside what the
+    eager steps allocate (on by default in TP and FP8 runs, so the user may not know the graphs are there)."""
+    return TrainingError(f"{where}: out of GPU memory with CUDA graphs on (their memory pools hold each "
+                         f"captured layer's activations); --cuda-graph-impl none keeps the layers eager and needs "
+                         f"less memory. {error}")

@@ -27,7 +27,7 @@ from parallel3d.device import default_device
 from parallel3d.distributed_timeout import CommunicationError
 from parallel3d.distributed import get_megatron_optimizer
 from parallel3d.training.checkpoint_lock import save_dir_guard
-from parallel3d.training.cuda_graphs import capture_cuda_graphs, count_in_flight, release_cuda_graphs
+from parallel3d.training.cuda_graphs import capture_cuda_graphs, count_in_flight, out_of_memory, release_cuda_graphs
 from parallel3d.training.cuda_graphs import describe as describe_launches
 from parallel3d.training.data_iterators import build_data_iterators
 from parallel3d.training.evaluation import evaluate
@@ -117,12 +117,19 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
                                                       step_config, average_losses=train_losses)
             except CommunicationError as e:
                 raise CommunicationError(f"iteration {iteration + 1}: {e}") from e
+            except torch.cuda.OutOfMemoryError as e:
+                if graphs_after and iteration - first_iteration >= graphs_after:  # the graphs hold their memory
+                    raise out_of_memory(e, f"iteration {iteration + 1}") from e
+                raise
             scaler = getattr(optimizer, "grad_scaler", None)  # its scale is a host float: no sync
             bad = guard.check(iteration + 1, loss, grad_norm, skipped, model, scaler.scale if scaler else None)
             iteration += 1
             consumed_train += layout.global_batch_size
             if graphs_after and iteration - first_iteration == graphs_after:  # between steps: see cuda_graphs.py
-                count = capture_cuda_graphs(model, layout.micro_batch_size)
+                try:
+                    count = capture_cuda_graphs(model, layout.micro_batch_size)
+                except torch.cuda.OutOfMemoryError as e:
+                    raise out_of_memory(e, f"capturing the CUDA graphs after iteration {iteration}") from e
                 print_rank_0(f"captured the CUDA graphs of {count} transformer layers after {graphs_after} eager steps")
             history.append(loss)
             grad_norms.append(grad_norm)
