@@ -54,6 +54,12 @@ def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = _LLAMA_FFN_MULTIP
     return multiple_of * ((width + multiple_of - 1) // multiple_of)
 
 
+def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's --ffn-hidden-size when none is given (its validate_args): 4h, or with --swiglu 2/3 of 4h
+    rounded down to a multiple of 64 (LLaMA's rule, ``default_ffn_hidden_size``, rounds up to 256)."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+
+
 def default_ffn_hidden_size(hidden_size: int, gated_linear_unit: bool) -> int:
     """The MLP width when none is given: 4h, or LLaMA's rule for a gated MLP (what the model builds)."""
     return llama_ffn_hidden_size(hidden_size) if gated_linear_unit else 4 * hidden_size

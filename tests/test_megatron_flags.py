@@ -28,13 +28,25 @@ def test_attention_backend_takes_megatrons_values(value, backend):
     assert _validate([]).attention_backend == "sdpa"
 
 
+def test_ffn_hidden_size_defaults_as_megatron():
+    """Megatron's validate_args: 4h, or with --swiglu 2/3 of 4h rounded down to a multiple of 64 (LLaMA-7B's
+    11008 is LLaMA's rule, not Megatron's 10880); given, it is kept; a default of 0 is refused, naming it."""
+    sizes = {(h, swiglu): _validate(["--hidden-size", str(h), "--num-attention-heads", "32"]
+                                    + (["--swiglu"] if swiglu else [])).ffn_hidden_size
+             for h in (2048, 4096) for swiglu in (False, True)}
+    assert sizes == {(2048, False): 8192, (2048, True): 5440, (4096, False): 16384, (4096, True): 10880}
+    assert _validate(["--swiglu", "--ffn-hidden-size", "48"]).ffn_hidden_size == 48
+    with pytest.raises(ArgumentError, match="--swiglu with --hidden-size 16: .* is 0; give --ffn-hidden-size"):
+        _validate(["--swiglu"])
+
+
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_bias_activation_fusion_follows_the_flag_of_the_models_activation(swiglu):
     """Megatron's rule: --no-bias-swiglu-fusion turns the fusion off for a SwiGLU model, --no-bias-gelu-fusion
     for a GeLU one; the other activation's flag changes nothing."""
     from parallel3d.training import gpt
 
-    act = ["--swiglu"] if swiglu else []
+    act = ["--swiglu", "--ffn-hidden-size", "32"] if swiglu else []
     own, other = ("--no-bias-swiglu-fusion", "--no-bias-gelu-fusion")[::1 if swiglu else -1]
     fusion = {}
     for flags in [(), (own,), (other,)]:

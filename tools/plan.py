@@ -24,6 +24,7 @@ if __package__ in (None, ""):
     from parallel3d.bootstrap import reexec_unless_ready  # noqa: E402
     reexec_unless_ready(__file__)  # this Python lacks torch & co: run inside .venv, as the demo does
 
+from parallel3d.models.config import megatron_ffn_hidden_size  # noqa: E402
 from parallel3d.training.megatron_args import ATTENTION_BACKENDS  # noqa: E402
 from parallel3d.pipeline.registry import SCHEDULE_NAMES, build_schedule  # noqa: E402
 from parallel3d.pipeline.simulate import simulate  # noqa: E402
@@ -135,7 +136,8 @@ def model_from(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         seq_length=args.seq_length, vocab_size=args.vocab_size, num_query_groups=args.num_query_groups,
-        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, swiglu=args.swiglu,
+        ffn_hidden_size=args.ffn_hidden_size or megatron_ffn_hidden_size(args.hidden_size, args.swiglu),
+        kv_channels=args.kv_channels, swiglu=args.swiglu,
         add_bias_linear=not args.disable_bias_linear, normalization=args.normalization,
         position_embedding_type=args.position_embedding_type,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,

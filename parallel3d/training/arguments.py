@@ -37,7 +37,7 @@ from parallel3d.training.megatron_args import (
     resolve_cuda_graph_flags,
 )
 from parallel3d.device import default_backend
-from parallel3d.models.config import cuda_graph_blockers
+from parallel3d.models.config import cuda_graph_blockers, megatron_ffn_hidden_size
 from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size, model_parallel_sizes
 from parallel3d.pipeline.forward_backward import default_schedule_name
 from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, check_schedule_args, splits_backward
@@ -379,6 +379,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _cuda_graph_rules(args)
     if not args.group_query_attention:
         args.num_query_groups = None
+    if args.ffn_hidden_size is None:  # Megatron's default width, --swiglu's too (not the library's LLaMA rule)
+        args.ffn_hidden_size = megatron_ffn_hidden_size(args.hidden_size, args.swiglu)
+        if args.ffn_hidden_size == 0:
+            raise ArgumentError(f"--swiglu with --hidden-size {args.hidden_size}: Megatron's default "
+                                "--ffn-hidden-size (2/3 of 4 x hidden size, rounded down to a multiple of 64) is 0; "
+                                "give --ffn-hidden-size")
     try:
         check_megatron_args(args)
     except MegatronFlagError as e:
