@@ -31,8 +31,9 @@ from parallel3d.tensor_parallel.random import GRAPH_SAFE_RNG  # dropout inside C
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-# "gelu": exact (erf) GeLU, torch/Megatron default; "gelu_tanh": the tanh approximation,
-# HF GPT-2's ``gelu_new``; "silu": with gated_linear_unit this is SwiGLU (LLaMA).
+# "gelu": exact (erf) GeLU, torch's F.gelu; "gelu_tanh": the tanh approximation, HF GPT-2's ``gelu_new``
+# and what a Megatron-LM GeLU model computes by default (megatron_activation); "silu": with
+# gated_linear_unit this is SwiGLU (LLaMA).
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -52,6 +53,21 @@ def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = _LLAMA_FFN_MULTIP
     """LLaMA's SwiGLU width: 2/3 of 4h (same FLOPs as a 4h GeLU MLP), rounded up to ``multiple_of``."""
     width = int(2 * 4 * hidden_size / 3)
     return multiple_of * ((width + multiple_of - 1) // multiple_of)
+
+
+def megatron_activation(swiglu: bool, openai_gelu: bool, bias_gelu_fusion: bool, add_bias_linear: bool) -> str:
+    """The MLP activation Megatron-LM's flags build: SiLU (gated) with --swiglu; else GeLU, which Megatron-Core's
+    fused bias-GeLU (``bias_gelu_impl``: on by default, off with --no-bias-gelu-fusion or without biases)
+    computes with the tanh approximation, as --openai-gelu does; the exact erf GeLU otherwise."""
+    if swiglu:
+        return "silu"
+    return "gelu_tanh" if openai_gelu or (bias_gelu_fusion and add_bias_linear) else "gelu"
+
+
+def megatron_gelu_flags(activation: str, add_bias_linear: bool) -> dict[str, bool]:
+    """The inverse of ``megatron_activation`` for a GeLU model: the Megatron-LM flags that build ``activation``."""
+    tanh = activation == "gelu_tanh"
+    return {"openai_gelu": tanh and not add_bias_linear, "bias_gelu_fusion": tanh and add_bias_linear}
 
 
 def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:

@@ -277,13 +277,13 @@ def _config(*flags):
 
 
 @pytest.mark.parametrize("flags,field", [
-    (["--openai-gelu"], "activation: checkpoint 'gelu' vs this run 'gelu_tanh'"),
+    (["--no-bias-gelu-fusion"], "activation: checkpoint 'gelu_tanh' vs this run 'gelu'"),  # Megatron: erf
     (["--norm-epsilon", "0.3"], "layernorm_epsilon: checkpoint 1e-05 vs this run 0.3"),
     (["--rotary-base", "500", "--position-embedding-type", "rope"], "rotary_base"),
     (["--rotary-percent", "0.5", "--position-embedding-type", "rope"], "rotary_percent"),
     (["--add-qkv-bias"], "add_qkv_bias"),
     (["--make-vocab-size-divisible-by", "8"], "make_vocab_size_divisible_by"),
-], ids=["openai_gelu", "norm_epsilon", "rotary_base", "rotary_percent", "qkv_bias", "vocab_divisor"])
+], ids=["bias_gelu_fusion", "norm_epsilon", "rotary_base", "rotary_percent", "qkv_bias", "vocab_divisor"])
 def test_a_function_changing_model_flag_on_resume_is_refused_by_name(tmp_path, flags, field):
     saved_config, _ = _config(*(["--position-embedding-type", "rope"] if "rope" in flags else []))
     model, opt = tiny_model()
@@ -298,7 +298,7 @@ def test_a_function_changing_model_flag_on_resume_is_refused_by_name(tmp_path, f
 def test_use_checkpoint_args_takes_every_compared_field(tmp_path):
     from parallel3d.training.checkpoint_args import apply_checkpoint_args
 
-    saved_config, _ = _config("--openai-gelu", "--norm-epsilon", "0.25", "--position-embedding-type", "rope",
+    saved_config, _ = _config("--no-bias-gelu-fusion", "--norm-epsilon", "0.25", "--position-embedding-type", "rope",
                               "--rotary-base", "500", "--rotary-percent", "0.5", "--add-qkv-bias")
     model, opt = tiny_model()
     save_dir = str(tmp_path / "ckpt")

@@ -74,6 +74,7 @@ def _megatron_args(family):
         seq_length=16, max_position_embeddings=16, position_embedding_type=f["position"], rotary_base=10000,
         rotary_percent=1.0, normalization=f["normalization"], norm_epsilon=1e-5, swiglu=f["gated_linear_unit"],
         openai_gelu=False, add_bias_linear=f["add_bias_linear"], add_qkv_bias=False,
+        bias_gelu_fusion=f["add_bias_linear"],  # Megatron's default, off without biases (its validate_args)
         untie_embeddings_and_output_weights=not f["tied"], make_vocab_size_divisible_by=32,
         padded_vocab_size=PADDED_VOCAB, tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP,
         virtual_pipeline_model_parallel_size=None, params_dtype=torch.float32, fp16=False, bf16=False,
@@ -97,7 +98,9 @@ def _build(family, seed):
         gated_linear_unit=f["gated_linear_unit"],
         activation_func=torch.nn.functional.silu if f["gated_linear_unit"] else torch.nn.functional.gelu,
         add_bias_linear=f["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3,
-        layernorm_epsilon=1e-5)
+        layernorm_epsilon=1e-5,
+        # as Megatron-LM's args build the GPT: its fused bias-GeLU, the tanh approximation (bias_gelu_impl)
+        bias_activation_fusion=not f["gated_linear_unit"] and f["add_bias_linear"])
     model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization=f["normalization"]),
                      vocab_size=PADDED_VOCAB, max_sequence_length=16, position_embedding_type=f["position"],
                      share_embeddings_and_output_weights=f["tied"], pre_process=mps.is_pipeline_first_stage(),

@@ -40,6 +40,28 @@ def test_ffn_hidden_size_defaults_as_megatron():
         _validate(["--swiglu"])
 
 
+@pytest.mark.parametrize("flags, activation", [
+    ([], "gelu_tanh"),  # biases + Megatron-Core's fused bias-GeLU (bias_gelu_impl): the tanh approximation
+    (["--no-bias-gelu-fusion"], "gelu"),  # F.gelu: erf
+    (["--disable-bias-linear"], "gelu"),  # Megatron turns the fusion off without biases
+    (["--openai-gelu", "--no-bias-gelu-fusion"], "gelu_tanh"),
+    (["--openai-gelu", "--disable-bias-linear"], "gelu_tanh"),
+    (["--swiglu", "--ffn-hidden-size", "32"], "silu"),
+])
+def test_the_gelu_is_the_one_megatrons_flags_build(flags, activation):
+    from parallel3d.models.config import megatron_gelu_flags
+    from parallel3d.training import gpt
+
+    args = _validate(["--vocab-size", "64"] + flags)
+    assert gpt.transformer_config_from_args(args).activation == activation
+    if activation != "silu":  # export writes flags that build it again (Megatron checkpoints, --use-checkpoint-args)
+        again = megatron_gelu_flags(activation, not args.disable_bias_linear)
+        rebuilt = _validate(["--vocab-size", "64"] + (["--disable-bias-linear"] if args.disable_bias_linear else [])
+                            + (["--openai-gelu"] if again["openai_gelu"] else [])
+                            + ([] if again["bias_gelu_fusion"] else ["--no-bias-gelu-fusion"]))
+        assert gpt.transformer_config_from_args(rebuilt).activation == activation
+
+
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_bias_activation_fusion_follows_the_flag_of_the_models_activation(swiglu):
     """Megatron's rule: --no-bias-swiglu-fusion turns the fusion off for a SwiGLU model, --no-bias-gelu-fusion

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from parallel3d.training import checkpointing
 from parallel3d.training.checkpoint_integrity import CheckpointError
+from parallel3d.models.config import megatron_gelu_flags
 from parallel3d.training.checkpoint_layers import layout_string, saved_split
 
 # TransformerConfig field -> argument, copied as they are.
@@ -28,8 +29,9 @@ def _args_from_config(cfg: dict[str, Any]) -> dict[str, Any]:
     out = {name: cfg[name] for name in _SAME if name in cfg}
     out["norm_epsilon"] = cfg.get("layernorm_epsilon", 1e-5)
     out["swiglu"] = bool(cfg.get("gated_linear_unit"))
-    out["openai_gelu"] = cfg.get("activation") == "gelu_tanh"
     out["disable_bias_linear"] = not cfg.get("add_bias_linear", True)
+    if not out["swiglu"]:  # the GeLU flags that build the saved activation
+        out.update(megatron_gelu_flags(cfg.get("activation", "gelu"), cfg.get("add_bias_linear", True)))
     groups = cfg.get("num_query_groups")
     out["group_query_attention"] = groups is not None and groups != cfg.get("num_attention_heads")
     out["num_query_groups"] = groups if out["group_query_attention"] else None

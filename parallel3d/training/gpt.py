@@ -21,6 +21,7 @@ from parallel3d.data.blended_dataset import get_blend_from_list
 from parallel3d.data.token_stats import check_tokens_fit_vocab
 from parallel3d.device import default_device
 from parallel3d.models import GPTModel, TransformerConfig
+from parallel3d.models.config import megatron_activation
 from parallel3d.pipeline.layout import LayoutError
 from parallel3d.pipeline.layout import layer_partition as pipeline_layer_partition
 from parallel3d.pipeline.registry import placement_of
@@ -66,7 +67,9 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu, activation="silu" if args.swiglu else "gelu_tanh" if args.openai_gelu else "gelu",
+        gated_linear_unit=args.swiglu,
+        activation=megatron_activation(args.swiglu, args.openai_gelu, args.bias_gelu_fusion,
+                                       not args.disable_bias_linear),
         add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import numpy
 import torch
 
-from parallel3d.models.config import TransformerConfig
+from parallel3d.models.config import TransformerConfig, megatron_activation, megatron_gelu_flags
 
 from .schema import ConversionError
 
@@ -213,7 +213,10 @@ def config_from_args(args: Any, where: str, vocab_size: Optional[int] = None,
     pos = get("position_embedding_type", "learned_absolute")
     if get("use_rotary_position_embeddings"):
         pos = "rope"
-    activation = "silu" if get("swiglu") else "gelu_tanh" if get("openai_gelu") else "gelu"
+    add_bias_linear = get("add_bias_linear", not get("disable_bias_linear", False))
+    # Megatron's validate_args turned bias_gelu_fusion off without biases; its default is on
+    activation = megatron_activation(bool(get("swiglu")), bool(get("openai_gelu")), get("bias_gelu_fusion", True),
+                                     add_bias_linear)
     padded = get("padded_vocab_size")
     vocab = vocab_size or get("vocab_size") or padded
     if not vocab:
@@ -232,7 +235,7 @@ def config_from_args(args: Any, where: str, vocab_size: Optional[int] = None,
             rotary_percent=float(get("rotary_percent", 1.0)), normalization=get("normalization", "LayerNorm"),
             layernorm_epsilon=get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
             gated_linear_unit=bool(get("swiglu")), activation=activation,
-            add_bias_linear=get("add_bias_linear", not get("disable_bias_linear", False)),
+            add_bias_linear=add_bias_linear,
             add_qkv_bias=bool(get("add_qkv_bias", False)),
             untie_embeddings_and_output_weights=bool(get("untie_embeddings_and_output_weights")),
             apply_residual_connection_post_layernorm=bool(get("apply_residual_connection_post_layernorm")),
@@ -280,7 +283,7 @@ def args_from_config(config: TransformerConfig, iteration: int, known: Optional[
         rotary_base=int(c.rotary_base) if float(c.rotary_base).is_integer() else c.rotary_base,
         rotary_percent=c.rotary_percent, rotary_interleaved=False, normalization=c.normalization,
         norm_epsilon=c.layernorm_epsilon, swiglu=c.gated_linear_unit and c.activation == "silu",
-        openai_gelu=c.activation == "gelu_tanh", squared_relu=False, add_bias_linear=c.add_bias_linear,
+        **megatron_gelu_flags(c.activation, c.add_bias_linear), squared_relu=False, add_bias_linear=c.add_bias_linear,
         disable_bias_linear=not c.add_bias_linear, add_qkv_bias=c.add_qkv_bias,
         untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights,
         apply_residual_connection_post_layernorm=c.apply_residual_connection_post_layernorm, qk_layernorm=False,
