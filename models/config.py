@@ -153,6 +153,8 @@ class TransformerConfig:
     # others share the rest evenly. Needed when num_layers is not divisible by PP x VP.
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
+    # The interleaved schedule's microbatches per chunk in a row (Megatron's; None: PP). The schedule reads it.
+    microbatch_group_size_per_vp_stage: Optional[int] = None
 
     # --- activation recomputation ---------------------------------------------------------------
     recompute_granularity: Optional[str] = None  # None | "full" (whole layers) | "selective" (attention core)

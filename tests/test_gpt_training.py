@@ -102,6 +102,34 @@ def test_zero_bubble_schedules_train_like_a_single_process():
     assert all(len(r) == len(ZB_LAYOUTS) for r in results)
 
 
+GROUPED = ("llama", 1, 2, 2, False, ["--microbatch-group-size-per-virtual-pipeline-stage", "3"])  # 8 microbatches
+
+
+def _grouped_sweep(rank, world_size, refs):
+    """GROUPED against one process, recording the group size each schedule was built with."""
+    import importlib
+
+    fb = importlib.import_module("parallel3d.pipeline.forward_backward")
+
+    built, build = [], fb.build_schedule
+
+    def recording(*args, **kwargs):
+        built.append(kwargs.get("microbatch_group_size_per_vp_stage"))
+        return build(*args, **kwargs)
+
+    fb.build_schedule = recording  # this worker process only
+    fb._checked_schedule.cache_clear()
+    return _sweep(rank, world_size, refs, [GROUPED]), built
+
+
+def test_the_interleaved_schedule_groups_microbatches_as_the_flag_says():
+    """Megatron's --microbatch-group-size-per-virtual-pipeline-stage reaches the interleaved schedule (3
+    microbatches per chunk in a row, not PP = 2) and training still equals one process."""
+    results = run_distributed(_grouped_sweep, 2, args=({"llama": _reference("llama")},), timeout=300)
+    for done, built in results:
+        assert len(done) == 1 and built and set(built) == {3}, built
+
+
 def test_compiled_layers_train_like_a_single_process():
     refs = {family: _reference(family) for family in FAMILIES}
     results = run_distributed(_sweep, 4, args=(refs, COMPILE_LAYOUTS), timeout=600)

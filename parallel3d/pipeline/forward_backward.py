@@ -54,6 +54,7 @@ class PipelineConfig:
     variable_seq_lengths: bool = False
     calculate_per_token_loss: bool = False
     deallocate_pipeline_outputs: bool = False  # only safe when no backward saves a stage's output
+    microbatch_group_size_per_vp_stage: Optional[int] = None  # the interleaved schedule's; None: PP
     grad_scale_func: Optional[Callable] = None
     finalize_model_grads_func: Optional[Callable] = None
 
@@ -112,25 +113,32 @@ def _check_per_token(chunks: Sequence[torch.nn.Module], per_token: bool) -> None
                              "set model.config.calculate_per_token_loss once, before wrapping")
 
 
+INTERLEAVED = "interleaved-1f1b"  # the one schedule of microbatch groups (microbatch_group_size_per_vp_stage)
+
+
 def default_schedule_name(pipeline_size: int, virtual_size: Optional[int]) -> str:
     if pipeline_size == 1:
         return "no-pipelining"
-    return "interleaved-1f1b" if virtual_size is not None and virtual_size > 1 else "1f1b"
+    return INTERLEAVED if virtual_size is not None and virtual_size > 1 else "1f1b"
 
 
 @functools.lru_cache(maxsize=64)
 def _checked_schedule(name: str, stages: int, microbatches: int, chunks: int, forward_only: bool,
-                      negotiate_shapes: bool = False, layer_shape: Optional[tuple[int, int]] = None) -> Schedule:
+                      negotiate_shapes: bool = False, layer_shape: Optional[tuple[int, int]] = None,
+                      group_size: Optional[int] = None) -> Schedule:
     """Built and validated once per shape; Schedule is frozen, so sharing the cached object is safe.
 
     ``negotiate_shapes`` (variable_seq_lengths): also deadlock-free when each batch exchanges
     shape headers first; a zero-bubble order that is not gets its receives hoisted over W.
-    ``layer_shape`` (hidden size, sequence length): what 'auto' weighs its candidates by."""
+    ``layer_shape`` (hidden size, sequence length): what 'auto' weighs its candidates by.
+    ``group_size``: the interleaved schedule's microbatch_group_size_per_vp_stage (None: PP)."""
     if forward_only:  # any microbatch count works without backwards
         # the placement the model chunks were built for
         return forward_only_schedule(Schedule(name, stages, microbatches, chunks, (), placement_of(name, chunks)))
     hidden_size, seq_length = layer_shape or (None, None)
-    schedule = build_schedule(name, stages, microbatches, chunks, hidden_size=hidden_size, seq_length=seq_length)
+    grouped = {} if group_size is None else {"microbatch_group_size_per_vp_stage": group_size}
+    schedule = build_schedule(name, stages, microbatches, chunks, hidden_size=hidden_size, seq_length=seq_length,
+                              **grouped)
     if schedule.placement != placement_of(name, chunks):
         raise ScheduleError(f"schedule {schedule.name!r} places chunks in a {schedule.placement!r} shape, but the "
                             f"model was built for {placement_of(name, chunks)!r} (placement_of)")
@@ -208,9 +216,11 @@ def forward_backward(
                          f"chunk(s) on this rank: build one chunk per virtual stage")
     name = schedule or default_schedule_name(stages, len(chunks) if len(chunks) > 1 else None)
     known = config.hidden_size is not None and seq_length is not None
+    # Megatron reads the group size in its interleaved schedule only; the others have no groups
+    group_size = config.microbatch_group_size_per_vp_stage if name == INTERLEAVED else None
     sched = _checked_schedule(name, stages, num_microbatches, len(chunks), forward_only,
                               config.variable_seq_lengths and stages > 1,
-                              (config.hidden_size, seq_length) if known else None)
+                              (config.hidden_size, seq_length) if known else None, group_size)
 
     recv_spec = None
     if stages > 1 and not config.variable_seq_lengths:

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=8, help="M")
     parser.add_argument("--chunks", type=int, default=None,
                         help="model chunks per rank V (default 2 for zb-v and dualpipev, else 1)")
-    parser.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None)
+    parser.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", "--microbatch-group-size-per-vp-stage",
+                        dest="microbatch_group_size_per_vp_stage", type=int, default=None)
     parser.add_argument("--forward-time", type=float, default=1.0)
     parser.add_argument("--backward-time", type=float, default=2.0)
     parser.add_argument("--weight-time", type=float, default=0.0,

@@ -15,6 +15,8 @@ import re
 import sys
 from typing import Callable, Optional, Sequence
 
+from parallel3d.pipeline.forward_backward import INTERLEAVED
+
 
 class ArgumentError(ValueError):
     """One or more bad arguments; ``problems`` lists them, one line each."""
@@ -140,6 +142,9 @@ def ineffective_flags(args: argparse.Namespace, defaults: dict) -> list[str]:
         (args.optimizer != "sgd", ("sgd_momentum",), f"--optimizer is {args.optimizer}"),
         (not args.check_for_nan_in_loss_and_grad, ("skip_nonfinite_iters",),
          "--no-check-for-nan-in-loss-and-grad turns the non-finite check off"),
+        (not (args.virtual_pipeline_model_parallel_size or args.num_layers_per_virtual_pipeline_stage)
+         or args.pipeline_schedule not in (None, INTERLEAVED), ("microbatch_group_size_per_vp_stage",),
+         "only the interleaved schedule (a virtual pipeline) groups microbatches"),
     )
     warnings = []
     for applies, fields, why in rules:

@@ -39,7 +39,7 @@ from parallel3d.training.megatron_args import (
 from parallel3d.device import default_backend
 from parallel3d.models.config import cuda_graph_blockers, megatron_ffn_hidden_size
 from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size, model_parallel_sizes
-from parallel3d.pipeline.forward_backward import default_schedule_name
+from parallel3d.pipeline.forward_backward import INTERLEAVED, default_schedule_name
 from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, check_schedule_args, splits_backward
 
 
@@ -96,7 +96,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
-    g.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None)
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", "--microbatch-group-size-per-vp-stage",
+                   dest="microbatch_group_size_per_vp_stage", type=int, default=None)
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     # Megatron's layout flags (parallel3d.pipeline.layout); --pipeline-split is ours.
@@ -361,7 +362,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     # 'auto' over two chunks chooses among the V-shaped schedules (placement_of): ZB-V's rules apply.
     checked = "zb-v" if name == "auto" and vp is not None else name
     try:
-        check_schedule_args(checked, pp, args.num_microbatches, vp or 1, None)
+        group = args.microbatch_group_size_per_vp_stage if checked == INTERLEAVED else None
+        check_schedule_args(checked, pp, args.num_microbatches, vp or 1, group)
     except ValueError as e:
         raise ArgumentError(f"--pipeline-schedule {name}: {e} (microbatches per step = --global-batch-size "
                             f"{args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x "

@@ -77,6 +77,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         **parallel_state.model_parallel_sizes(args), sequence_parallel=args.sequence_parallel,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method or "uniform",
         recompute_num_layers=args.recompute_num_layers or 1, bf16=args.bf16, fp16=args.fp16,
         attention_backend=args.attention_backend, gradient_accumulation_fusion=args.gradient_accumulation_fusion,
