@@ -115,6 +115,19 @@ def test_train_samples_derive_iterations_and_a_schedule_in_samples():
         _validate(["--train-samples", "100", "--lr-warmup-iters", "5"])
 
 
+def test_a_warmup_fraction_is_a_fraction_of_the_decay_samples():
+    """Megatron: lr_warmup_steps = fraction x decay samples, not a whole number of iterations: 0.01 of 150
+    iterations x 8 samples is 12 samples (1.5 iterations), not 1 iteration's 8."""
+    from parallel3d.training.megatron_args import scheduler_steps
+
+    args = _validate(["--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "150",
+                      "--lr-warmup-fraction", "0.01"])
+    assert scheduler_steps(args)["lr_warmup_steps"] == pytest.approx(12.0)
+    args = _validate(["--micro-batch-size", "8", "--global-batch-size", "8", "--train-samples", "1000",
+                      "--lr-decay-samples", "900", "--lr-warmup-fraction", "0.001"])
+    assert scheduler_steps(args)["lr_warmup_steps"] == pytest.approx(0.9)
+
+
 def test_rampup_batch_size_grows_the_batch_as_megatron():
     # global batch 16 -> 32 by 8 over 96 samples, micro batch 4, DP 2: 2, 3 then 4 microbatches
     args = _validate(["--train-samples", "400", "--global-batch-size", "32", "--micro-batch-size", "4",

@@ -23,7 +23,7 @@ class OptimizerParamScheduler:
         init_lr: float,
         max_lr: float,
         min_lr: float,
-        lr_warmup_steps: int,
+        lr_warmup_steps: float,
         lr_decay_steps: int,
         lr_decay_style: str,
         start_wd: float,
@@ -59,7 +59,8 @@ class OptimizerParamScheduler:
                                  f"lr_warmup_steps ({lr_decay_steps - lr_warmup_steps})")
         self.optimizer = optimizer
         self.init_lr, self.max_lr, self.min_lr = float(init_lr), float(max_lr), float(min_lr)
-        self.lr_warmup_steps, self.lr_decay_steps = int(lr_warmup_steps), int(lr_decay_steps)
+        # the warmup as given: Megatron's --lr-warmup-fraction makes it a fraction of the decay samples
+        self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, int(lr_decay_steps)
         self.lr_decay_style = lr_decay_style
         self.wsd_decay_steps, self.lr_wsd_decay_style = wsd_decay_steps, lr_wsd_decay_style
         self.start_wd, self.end_wd = float(start_wd), float(end_wd)

@@ -313,10 +313,13 @@ def scheduler_steps(args: argparse.Namespace) -> dict[str, Optional[int]]:
     gbs = args.target_global_batch_size
     if args.train_samples is not None:
         decay = args.lr_decay_samples or args.train_samples
-        warmup = int(args.lr_warmup_fraction * decay) if args.lr_warmup_fraction is not None else args.lr_warmup_samples
+        warmup = args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None else args.lr_warmup_samples
         return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wd_incr_steps": args.train_samples,
                 "wsd_decay_steps": args.lr_wsd_decay_samples}
-    return {"lr_warmup_steps": args.lr_warmup_iters * gbs, "lr_decay_steps": args.lr_decay_iters * gbs,
+    # Megatron: a --lr-warmup-fraction of the decay samples, not of whole iterations (no rounding)
+    warmup = (args.lr_warmup_fraction * args.lr_decay_iters * gbs if args.lr_warmup_fraction is not None
+              else args.lr_warmup_iters * gbs)
+    return {"lr_warmup_steps": warmup, "lr_decay_steps": args.lr_decay_iters * gbs,
             "wd_incr_steps": args.train_iters * gbs,
             "wsd_decay_steps": (args.lr_wsd_decay_iters or 0) * gbs or None}
 

@@ -94,7 +94,7 @@ class LRScheduleConfig:
     lr_decay_style: str
     lr_wsd_decay_style: str
     weight_decay: float
-    lr_warmup_steps: int  # the four lengths: megatron_args.scheduler_steps, from iterations or samples
+    lr_warmup_steps: float  # the four lengths: megatron_args.scheduler_steps, from iterations or samples
     lr_decay_steps: int
     wd_incr_steps: int
     wsd_decay_steps: Optional[int]
