@@ -27,13 +27,14 @@ from parallel3d.bootstrap import reexec_in_venv  # noqa: E402
 
 _CPU_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
               "--micro-batch-size", "4", "--global-batch-size", "32", "--train-iters", "300", "--lr", "5e-3",
-              "--min-lr", "5e-4", "--lr-warmup-iters", "20", "--log-interval", "25", "--eval-interval", "100"]
+              "--min-lr", "5e-4", "--lr-warmup-iters", "20", "--lr-decay-style", "cosine", "--log-interval", "25",
+              "--eval-interval", "100"]
 # GPT-2 small's shape (byte vocabulary, ~85M parameters). 500 iterations (~70 passes over the 0.47 MB
 # corpus): longer runs memorise it and the validation loss rises again (README).
 _GPU_MODEL = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "512",
               "--micro-batch-size", "16", "--global-batch-size", "128", "--train-iters", "500", "--lr", "1e-3",
-              "--min-lr", "1e-4", "--lr-warmup-iters", "50", "--bf16", "--log-interval", "100",
-              "--eval-interval", "250"]
+              "--min-lr", "1e-4", "--lr-warmup-iters", "50", "--lr-decay-style", "cosine", "--bf16",
+              "--log-interval", "100", "--eval-interval", "250"]
 
 
 def layout(gpus: int) -> tuple[int, list[str]]:

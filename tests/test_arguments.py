@@ -82,7 +82,7 @@ BAD = [
     (["--max-consecutive-skipped-iters", "-1"], 1, r"--max-consecutive-skipped-iters must be >= 0, got -1"),
     # LR schedule, in iterations (the scheduler would say "lr_warmup_steps (640)" in samples, after init)
     (["--train-iters", "10", "--lr-warmup-iters", "20"], 1,
-     r"--lr-warmup-iters \(20\) must be < --lr-decay-iters \(10; default --train-iters\) for --lr-decay-style cosine"),
+     r"--lr-warmup-iters \(20\) must be < --lr-decay-iters \(10; default --train-iters\) for --lr-decay-style linear"),
     (["--train-iters", "10", "--lr-warmup-iters", "10", "--lr-decay-style", "linear"], 1,
      r"--lr-warmup-iters \(10\) must be < --lr-decay-iters \(10"),
     (["--lr-decay-iters", "50", "--lr-warmup-iters", "60"], 1, r"--lr-warmup-iters \(60\) must be < --lr-decay-iters \(50"),

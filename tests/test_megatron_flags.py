@@ -122,6 +122,7 @@ def test_a_warmup_fraction_is_a_fraction_of_the_decay_samples():
 
     args = _validate(["--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "150",
                       "--lr-warmup-fraction", "0.01"])
+    assert args.lr_decay_style == "linear"  # Megatron's default, as every LR flag's
     assert scheduler_steps(args)["lr_warmup_steps"] == pytest.approx(12.0)
     args = _validate(["--micro-batch-size", "8", "--global-batch-size", "8", "--train-samples", "1000",
                       "--lr-decay-samples", "900", "--lr-warmup-fraction", "0.001"])
