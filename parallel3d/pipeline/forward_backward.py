@@ -116,6 +116,12 @@ def _check_per_token(chunks: Sequence[torch.nn.Module], per_token: bool) -> None
 INTERLEAVED = "interleaved-1f1b"  # the one schedule of microbatch groups (microbatch_group_size_per_vp_stage)
 
 
+def schedule_group_size(name: str, group_size: Optional[int]) -> Optional[int]:
+    """The microbatch group size schedule ``name`` takes: Megatron reads it in its interleaved schedule only;
+    the others have no groups."""
+    return group_size if name == INTERLEAVED else None
+
+
 def default_schedule_name(pipeline_size: int, virtual_size: Optional[int]) -> str:
     if pipeline_size == 1:
         return "no-pipelining"
@@ -136,9 +142,8 @@ def _checked_schedule(name: str, stages: int, microbatches: int, chunks: int, fo
         # the placement the model chunks were built for
         return forward_only_schedule(Schedule(name, stages, microbatches, chunks, (), placement_of(name, chunks)))
     hidden_size, seq_length = layer_shape or (None, None)
-    grouped = {} if group_size is None else {"microbatch_group_size_per_vp_stage": group_size}
     schedule = build_schedule(name, stages, microbatches, chunks, hidden_size=hidden_size, seq_length=seq_length,
-                              **grouped)
+                              microbatch_group_size_per_vp_stage=group_size)
     if schedule.placement != placement_of(name, chunks):
         raise ScheduleError(f"schedule {schedule.name!r} places chunks in a {schedule.placement!r} shape, but the "
                             f"model was built for {placement_of(name, chunks)!r} (placement_of)")
@@ -216,11 +221,10 @@ def forward_backward(
                          f"chunk(s) on this rank: build one chunk per virtual stage")
     name = schedule or default_schedule_name(stages, len(chunks) if len(chunks) > 1 else None)
     known = config.hidden_size is not None and seq_length is not None
-    # Megatron reads the group size in its interleaved schedule only; the others have no groups
-    group_size = config.microbatch_group_size_per_vp_stage if name == INTERLEAVED else None
     sched = _checked_schedule(name, stages, num_microbatches, len(chunks), forward_only,
                               config.variable_seq_lengths and stages > 1,
-                              (config.hidden_size, seq_length) if known else None, group_size)
+                              (config.hidden_size, seq_length) if known else None,
+                              schedule_group_size(name, config.microbatch_group_size_per_vp_stage))
 
     recv_spec = None
     if stages > 1 and not config.variable_seq_lengths:

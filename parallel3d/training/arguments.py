@@ -39,7 +39,7 @@ from parallel3d.training.megatron_args import (
 from parallel3d.device import default_backend
 from parallel3d.models.config import cuda_graph_blockers, megatron_ffn_hidden_size
 from parallel3d.parallel_state import check_virtual_pipeline_size, data_parallel_size, model_parallel_sizes
-from parallel3d.pipeline.forward_backward import INTERLEAVED, default_schedule_name
+from parallel3d.pipeline.forward_backward import default_schedule_name, schedule_group_size
 from parallel3d.pipeline.registry import SCHEDULE_NAMES, V_SHAPED, check_schedule_args, splits_backward
 
 
@@ -362,8 +362,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     # 'auto' over two chunks chooses among the V-shaped schedules (placement_of): ZB-V's rules apply.
     checked = "zb-v" if name == "auto" and vp is not None else name
     try:
-        group = args.microbatch_group_size_per_vp_stage if checked == INTERLEAVED else None
-        check_schedule_args(checked, pp, args.num_microbatches, vp or 1, group)
+        check_schedule_args(checked, pp, args.num_microbatches, vp or 1,
+                            schedule_group_size(checked, args.microbatch_group_size_per_vp_stage))
     except ValueError as e:
         raise ArgumentError(f"--pipeline-schedule {name}: {e} (microbatches per step = --global-batch-size "
                             f"{args.global_batch_size} / (--micro-batch-size {args.micro_batch_size} x "

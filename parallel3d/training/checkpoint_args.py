@@ -13,9 +13,9 @@ import argparse
 import os
 from typing import Any, Optional
 
+from parallel3d.models.config import megatron_gelu_flags
 from parallel3d.training import checkpointing
 from parallel3d.training.checkpoint_integrity import CheckpointError
-from parallel3d.models.config import megatron_gelu_flags
 from parallel3d.training.checkpoint_layers import layout_string, saved_split
 
 # TransformerConfig field -> argument, copied as they are.
