@@ -59,7 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("dresidual") = py::none());
 
   m.def("rope_apply", &p3d::rope_apply, py::arg("ts"), py::arg("cos"), py::arg("sin"), py::arg("outs"),
-        py::arg("backward"));
+        py::arg("backward"), py::arg("copy_last") = false);
 
   m.def("scaled_upper_triang_masked_softmax_fwd", &p3d::scaled_upper_triang_masked_softmax_fwd,
         py::arg("x"), py::arg("scale"));

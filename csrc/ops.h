@@ -63,11 +63,12 @@ std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
                                      const std::optional<at::Tensor>& dresidual);
 
 // rope.cu: each of ts (1 or 2 tensors, e.g. q and k) and outs is an [s, b, h, d]
-// view (any strides, last dim contiguous; h may differ between the two); cos and
+// or [s, b, groups, h, d] view (any strides, last dim contiguous; the heads may
+// differ between the two; an out has its t's sizes); cos and
 // sin are float32 [s, 1 or b, rot_dim] of the angles; backward applies the
-// transposed rotation.
+// transposed rotation. copy_last: ts has one more tensor, copied into its out unrotated.
 void rope_apply(const std::vector<at::Tensor>& ts, const at::Tensor& cos, const at::Tensor& sin,
-                const std::vector<at::Tensor>& outs, bool backward);
+                const std::vector<at::Tensor>& outs, bool backward, bool copy_last = false);
 
 // softmax.cu: x [attn_batches, sq, sk] with sq == sk, causal mask.
 at::Tensor scaled_upper_triang_masked_softmax_fwd(const at::Tensor& x, double scale);

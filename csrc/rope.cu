@@ -12,8 +12,10 @@
 //
 // t and out are [s, b, h, d] views with arbitrary strides (last dim
 // contiguous), so the HF layout [b, h, s, d] runs through the same kernel as a
-// permuted view.  One launch takes one tensor or two (q and k, whose head
-// counts may differ) rotated by the same angles.  The angles come as fp32 cos
+// permuted view; or [s, b, groups, h, d] views, so that grouped q heads are
+// read from and their gradients written into linear_qkv's [s, b, ng, (np/ng + 2) d].  One launch takes one
+// tensor or two (q and k, whose head counts may differ) rotated by the same angles, and optionally a last
+// tensor copied unrotated (v's gradient, so that the three gradients land in linear_qkv's layout in one pass).  The angles come as fp32 cos
 // and sin of shape [s, bf, rot], bf = 1 (shared by the batch) or b
 // (per-sample positions); the Python wrapper computes them once per freqs
 // tensor, so all the layers of a forward share them.  Arithmetic is fp32,
@@ -33,19 +35,22 @@
 namespace p3d {
 namespace {
 
-constexpr int kMaxRopeTensors = 2;
+constexpr int kMaxRopeTensors = 3;
 
-// Element strides in [s, b, h] order of one input/output pair.
+// Element strides in [s, b, g, h] order of one input/output pair: head i is head i % hpg of group i / hpg
+// (a 4-D tensor is one group: hpg = h, stride 0), so linear_qkv's output [s, b, ng, (np/ng + 2) * d] is
+// read and written in place, its q heads as a 5-D view [s, b, ng, np/ng, d].
 struct RopeTensor {
-  int64_t h;
-  int64_t in_ss, in_sb, in_sh;
-  int64_t out_ss, out_sb, out_sh;
+  int64_t h, hpg;
+  int64_t copy;  // 1: copied, not rotated (all d features pass through)
+  int64_t in_ss, in_sb, in_sg, in_sh;
+  int64_t out_ss, out_sb, out_sg, out_sh;
 };
 
 struct RopeShape {
   int64_t s, b, d, rot;
   int64_t f_ss, f_sb;  // element strides of cos/sin over [s, b] (f_sb = 0: shared)
-  int n;               // tensors: 1 or 2
+  int n;               // tensors: 1 to 3
   RopeTensor t[kMaxRopeTensors];
 };
 
@@ -63,20 +68,27 @@ __global__ void rope_kernel(RopePtrs<T> ptr, const float* __restrict__ cos_f,
   const int64_t si = blockIdx.x, bi = blockIdx.y;
   const int half = static_cast<int>(sh.rot / 2);
   const int nrot = half / VEC, npass = static_cast<int>((sh.d - sh.rot) / VEC);
-  const int per_head = nrot + npass;
-  const int items0 = static_cast<int>(sh.t[0].h) * per_head;
-  const int n_items = items0 + (sh.n > 1 ? static_cast<int>(sh.t[1].h) * per_head : 0);
+  const int per_rot = nrot + npass, per_copy = static_cast<int>(sh.d / VEC);
+  const int n0 = static_cast<int>(sh.t[0].h) * (sh.t[0].copy ? per_copy : per_rot);
+  const int n1 = sh.n > 1 ? static_cast<int>(sh.t[1].h) * (sh.t[1].copy ? per_copy : per_rot) : 0;
+  const int n2 = sh.n > 2 ? static_cast<int>(sh.t[2].h) * (sh.t[2].copy ? per_copy : per_rot) : 0;
   const int it = blockIdx.z * blockDim.x + threadIdx.x;  // this thread's (tensor, head, pack)
-  if (it >= n_items) return;
-  const int ti = it < items0 ? 0 : 1;
+  if (it >= n0 + n1 + n2) return;
+  const int ti = it < n0 ? 0 : (it < n0 + n1 ? 1 : 2);
   // Selects rather than indexing: a dynamic index into kernel parameters goes through local memory.
-  const RopeTensor tt = ti == 0 ? sh.t[0] : sh.t[1];
-  const T* in = ti == 0 ? ptr.in[0] : ptr.in[1];
-  T* out = ti == 0 ? ptr.out[0] : ptr.out[1];
-  const int local = it - ti * items0;
+  const RopeTensor tt = ti == 0 ? sh.t[0] : (ti == 1 ? sh.t[1] : sh.t[2]);
+  const T* in = ti == 0 ? ptr.in[0] : (ti == 1 ? ptr.in[1] : ptr.in[2]);
+  T* out = ti == 0 ? ptr.out[0] : (ti == 1 ? ptr.out[1] : ptr.out[2]);
+  const int local = it - (ti == 0 ? 0 : (ti == 1 ? n0 : n0 + n1));
+  const int per_head = tt.copy ? per_copy : per_rot;
   const int head = local / per_head, k = local - head * per_head;
-  const T* src = in + si * tt.in_ss + bi * tt.in_sb + head * tt.in_sh;
-  T* dst = out + si * tt.out_ss + bi * tt.out_sb + head * tt.out_sh;
+  const int g = head / static_cast<int>(tt.hpg), hg = head - g * static_cast<int>(tt.hpg);
+  const T* src = in + si * tt.in_ss + bi * tt.in_sb + g * tt.in_sg + hg * tt.in_sh;
+  T* dst = out + si * tt.out_ss + bi * tt.out_sb + g * tt.out_sg + hg * tt.out_sh;
+  if (tt.copy) {
+    store_stream<T, VEC>(dst + k * VEC, load_stream<T, VEC>(src + k * VEC));
+    return;
+  }
   if (k >= nrot) {  // partial rotary: features past rot pass through
     const int j = static_cast<int>(sh.rot) + (k - nrot) * VEC;
     store_stream<T, VEC>(dst + j, load_stream<T, VEC>(src + j));
@@ -106,27 +118,32 @@ __global__ void rope_kernel(RopePtrs<T> ptr, const float* __restrict__ cos_f,
 }  // namespace
 
 void rope_apply(const std::vector<at::Tensor>& ts, const at::Tensor& cos, const at::Tensor& sin,
-                const std::vector<at::Tensor>& outs, bool backward) {
-  TORCH_CHECK(!ts.empty() && ts.size() <= kMaxRopeTensors && outs.size() == ts.size(),
-              "rope: expected 1 or 2 tensors and as many outputs, got ", ts.size(), " and ", outs.size());
+                const std::vector<at::Tensor>& outs, bool backward, bool copy_last) {
+  TORCH_CHECK(!ts.empty() && ts.size() <= kMaxRopeTensors - (copy_last ? 0 : 1) && outs.size() == ts.size() &&
+                  (!copy_last || ts.size() >= 2),
+              "rope: expected 1 or 2 tensors to rotate (and with copy_last, one more to copy) and as many "
+              "outputs, got ", ts.size(), " and ", outs.size(), " (copy_last = ", copy_last, ")");
   const at::Tensor& t0 = ts[0];
   for (size_t i = 0; i < ts.size(); ++i) {
     const at::Tensor &t = ts[i], &out = outs[i];
-    TORCH_CHECK(t.is_cuda() && t.dim() == 4 && t.stride(3) == 1,
-                "rope: t must be a 4-D [s, b, h, d] CUDA view with a contiguous last dim, got sizes ",
-                t.sizes(), " strides ", t.strides());
-    TORCH_CHECK(t.size(0) == t0.size(0) && t.size(1) == t0.size(1) && t.size(3) == t0.size(3) &&
+    TORCH_CHECK(t.is_cuda() && (t.dim() == 4 || t.dim() == 5) && t.stride(-1) == 1,
+                "rope: t must be a 4-D [s, b, h, d] or 5-D [s, b, groups, h, d] CUDA view with a contiguous last "
+                "dim, got sizes ", t.sizes(), " strides ", t.strides());
+    TORCH_CHECK(t.size(0) == t0.size(0) && t.size(1) == t0.size(1) && t.size(-1) == t0.size(-1) &&
                     t.scalar_type() == t0.scalar_type() && t.device() == t0.device(),
                 "rope: the tensors must share s, b, d, dtype and device, got ", t.sizes(), " and ",
                 t0.sizes());
-    TORCH_CHECK(out.sizes() == t.sizes() && out.stride(3) == 1 && out.scalar_type() == t.scalar_type() &&
+    TORCH_CHECK(out.sizes() == t.sizes() && out.stride(-1) == 1 && out.scalar_type() == t.scalar_type() &&
                     out.device() == t.device(),
                 "rope: out must match t's sizes, dtype and device with a contiguous last dim");
     // Offsets within one (s, b) slice are 32-bit in the kernel.
-    TORCH_CHECK(t.size(2) * std::max(t.stride(2), out.stride(2)) < (int64_t{1} << 31),
-                "rope: heads * head stride must be below 2^31 elements");
+    for (const at::Tensor* x : {&t, &out}) {
+      int64_t last = x->size(-1);
+      for (int64_t j = 2; j < x->dim() - 1; ++j) last += (x->size(j) - 1) * x->stride(j);
+      TORCH_CHECK(last < (int64_t{1} << 31), "rope: a slice's heads must span below 2^31 elements");
+    }
   }
-  const int64_t s = t0.size(0), b = t0.size(1), d = t0.size(3);
+  const int64_t s = t0.size(0), b = t0.size(1), d = t0.size(-1);
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.dim() == 3 &&
                   cos.size(0) == s && (cos.size(1) == 1 || cos.size(1) == b) && cos.device() == t0.device(),
               "rope: cos must be a contiguous float32 [s, 1 or b, rot_dim] tensor with s = ", s,
@@ -140,14 +157,21 @@ void rope_apply(const std::vector<at::Tensor>& ts, const at::Tensor& cos, const 
               "], got ", rot);
   TORCH_CHECK(b <= 65535, "rope: batch size must be at most 65535, got ", b);
   c10::cuda::CUDAGuard guard(t0.device());
-  if (t0.numel() == 0 && (ts.size() == 1 || ts[1].numel() == 0)) return;
+  if (std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.numel() == 0; })) return;
   RopeShape sh{s, b, d, rot, cos.stride(0), cos.size(1) == 1 ? 0 : cos.stride(1),
                static_cast<int>(ts.size()), {}};
-  int64_t heads = 0;
+  int64_t heads = 0, copied = 0;  // rotated heads, copied heads
   for (size_t i = 0; i < ts.size(); ++i) {
     const at::Tensor &t = ts[i], &out = outs[i];
-    sh.t[i] = {t.size(2), t.stride(0), t.stride(1), t.stride(2), out.stride(0), out.stride(1), out.stride(2)};
-    heads += t.size(2);
+    const int64_t copy = copy_last && i + 1 == ts.size();
+    if (t.dim() == 4) {  // one group of all the heads
+      sh.t[i] = {t.size(2), std::max<int64_t>(t.size(2), 1), copy, t.stride(0), t.stride(1), 0, t.stride(2),
+                 out.stride(0), out.stride(1), 0, out.stride(2)};
+    } else {
+      sh.t[i] = {t.size(2) * t.size(3), std::max<int64_t>(t.size(3), 1), copy, t.stride(0), t.stride(1),
+                 t.stride(2), t.stride(3), out.stride(0), out.stride(1), out.stride(2), out.stride(3)};
+    }
+    (copy ? copied : heads) += sh.t[i].h;
   }
   auto stream = c10::cuda::getCurrentCUDAStream();
   P3D_DISPATCH_FLOATING(t0.scalar_type(), "rope", [&] {
@@ -159,13 +183,13 @@ void rope_apply(const std::vector<at::Tensor>& ts, const at::Tensor& cos, const 
     for (size_t i = 0; i < ts.size(); ++i) {
       const at::Tensor &t = ts[i], &out = outs[i];
       vec = vec && aligned16(t.data_ptr()) && aligned16(out.data_ptr());
-      for (int j = 0; j < 3; ++j) vec = vec && t.stride(j) % V == 0 && out.stride(j) % V == 0;
+      for (int j = 0; j < t.dim() - 1; ++j) vec = vec && t.stride(j) % V == 0 && out.stride(j) % V == 0;
       ptr.in[i] = t.data_ptr<T>();
       ptr.out[i] = out.data_ptr<T>();
     }
     auto launch = [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
-      const int64_t work = heads * ((rot / 2) / VEC + (d - rot) / VEC);
+      const int64_t work = heads * ((rot / 2) / VEC + (d - rot) / VEC) + copied * (d / VEC);
       TORCH_CHECK(work <= int64_t{65535} * kRopeThreads, "rope: heads * head_dim too large: ", work);
       const int threads = work >= kRopeThreads ? kRopeThreads : round_up(work, 32);
       const dim3 grid(static_cast<unsigned>(s), static_cast<unsigned>(b),

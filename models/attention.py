@@ -11,10 +11,10 @@ from torch import nn
 
 from parallel3d import tensor_parallel
 from parallel3d.fused import (
-    apply_rotary_pos_emb_qk,
     apply_rotary_pos_emb_reference,
     scaled_upper_triang_masked_softmax,
     scaled_upper_triang_masked_softmax_reference,
+    split_qkv_rope,
 )
 from parallel3d.tensor_parallel import (
     ColumnParallelLinear,
@@ -154,12 +154,12 @@ class SelfAttention(nn.Module):
         s, b = mixed.shape[:2]
         q_per_group, d = self.heads_per_rank // self.groups_per_rank, self.kv_channels
         mixed = mixed.view(s, b, self.groups_per_rank, (q_per_group + 2) * d)
-        q, k, v = torch.split(mixed, [q_per_group * d, d, d], dim=3)
-        q = q.reshape(s, b, self.heads_per_rank, d)
-        if rotary_pos_emb is not None:
-            if cfg.apply_rope_fusion:
-                q, k = apply_rotary_pos_emb_qk(q, k, rotary_pos_emb)
-            else:
+        if rotary_pos_emb is not None and cfg.apply_rope_fusion:
+            q, k, v = split_qkv_rope(mixed, q_per_group, d, rotary_pos_emb)
+        else:
+            q, k, v = torch.split(mixed, [q_per_group * d, d, d], dim=3)
+            q = q.reshape(s, b, self.heads_per_rank, d)
+            if rotary_pos_emb is not None:
                 q, k = (apply_rotary_pos_emb_reference(t, rotary_pos_emb, in_fp32=False) for t in (q, k))
         if inference_params is not None:
             k, v, attention_mask = self._update_kv_cache(k, v, attention_mask, inference_params)

@@ -178,3 +178,80 @@ def test_rope_strided_view_gpu(poisoned, dtype):
     freqs = rope_freqs(s, d, "cuda")[:, None, None]
     out = fused.apply_rotary_pos_emb(q, freqs, "sbhd")
     assert rel_err(out, ref_rope_megatron(q.double(), freqs.double())) <= TOL[dtype]
+
+
+# ---- linear_qkv's output split and rotated in place (split_qkv_rope) -------------------------
+
+def emulated_rope_apply(ts, cos, sin, outs, backward, copy_last=False):
+    """The kernel's contract in PyTorch (csrc/rope.cu): each t, a 4-D [s, b, h, d] or 5-D [s, b, g, h, d]
+    view, rotated (backward: the transposed rotation) into its out, in fp32 and rounded once; with
+    copy_last, the last t copied unrotated."""
+    rot, half = cos.shape[-1], cos.shape[-1] // 2
+    assert len(ts) == len(outs) and 1 <= len(ts) - copy_last <= 2 and (len(ts) >= 2 or not copy_last)
+    for i, (t, out) in enumerate(zip(ts, outs)):
+        assert t.dim() in (4, 5) and out.shape == t.shape and t.stride(-1) == out.stride(-1) == 1
+        if copy_last and i == len(ts) - 1:
+            out.copy_(t)
+            continue
+        x = t.float().reshape(t.shape[0], t.shape[1], -1, t.shape[-1])
+        c, sn = cos[:, :, None], sin[:, :, None]
+        y = x[..., :rot] * sn
+        turned = torch.cat((y[..., half:], -y[..., :half]), -1) if backward else \
+            torch.cat((-x[..., half:rot], x[..., :half]), -1) * sn
+        x = torch.cat((x[..., :rot] * c + turned, x[..., rot:]), -1)
+        out.copy_(x.view(out.shape).to(out.dtype))
+
+
+def _check_split_qkv_rope(device, dtype, per_sample=False):
+    """split_qkv_rope against torch.split and the fp64 Megatron rotation: q (3 heads a group, 2 groups), k and
+    v; the gradient of linear_qkv's output from strided q/k/v gradients, as SDPA's [b, n, s, d] permuted."""
+    s, b, ng, qpg, d, rot = 9, 2, 2, 3, 16, 8
+    mixed = randn(s, b, ng, (qpg + 2) * d, dtype=dtype, device=device)
+    if per_sample:
+        freqs = torch.stack([rope_freqs(s + 3 * i, rot, device)[3 * i:] for i in range(b)], dim=1)[:, :, None]
+    else:
+        freqs = rope_freqs(s + 5, rot, device)[:, None, None]
+    grads = [randn(b, n, s, d, dtype=dtype, device=device).permute(2, 0, 1, 3) for n in (ng * qpg, ng, ng)]
+
+    got_in = mixed.clone().requires_grad_()
+    got = fused.split_qkv_rope(got_in, qpg, d, freqs)
+    torch.autograd.backward(got, grads)
+    ref_in = mixed.double().requires_grad_()
+    q, k, v = torch.split(ref_in, [qpg * d, d, d], dim=3)
+    want = (ref_rope_megatron(q.reshape(s, b, ng * qpg, d), freqs[:s].double()),
+            ref_rope_megatron(k, freqs[:s].double()), v)
+    torch.autograd.backward(want, [g.double() for g in grads])
+    for name, x, y in zip("qkv", got, want):
+        assert x.shape == y.shape and rel_err(x, y) <= TOL[dtype], name
+    assert rel_err(got_in.grad, ref_in.grad) <= TOL[dtype]
+    return got
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_split_qkv_rope_cpu(dtype, per_sample):
+    _check_split_qkv_rope("cpu", dtype, per_sample)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_split_qkv_rope_through_the_kernels_contract_cpu(monkeypatch, dtype):
+    """The kernel's path (one autograd function writing the three gradients into one tensor) with the kernel
+    emulated: what the GPU case below checks with the kernel itself."""
+    from types import SimpleNamespace
+
+    from parallel3d.fused import _ext, rope
+
+    calls = []
+    monkeypatch.setattr(_ext, "use_kernel", lambda *tensors: True)
+    monkeypatch.setattr(_ext, "get_ext", lambda: SimpleNamespace(
+        rope_apply=lambda *a: (calls.append(a[4:]), emulated_rope_apply(*a))))
+    q, k, v = _check_split_qkv_rope("cpu", dtype)
+    assert calls == [(False,), (True, True)]  # one launch each way, v's gradient copied in the second
+    assert type(q.grad_fn).__name__ == rope._QKVRoPEFunction.__name__ + "Backward"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_split_qkv_rope_gpu(poisoned, dtype, per_sample):
+    _check_split_qkv_rope("cuda", dtype, per_sample)

@@ -150,3 +150,50 @@ def apply_rotary_pos_emb_qk(
     if same and _kernel_ok(q, freqs, layout) and _kernel_ok(k, freqs, layout):
         return _RoPEFunction.apply(*_cos_sin(freqs, f3), layout, _last_dim_contiguous(q), _last_dim_contiguous(k))
     return apply_rotary_pos_emb(q, freqs, layout), apply_rotary_pos_emb(k, freqs, layout)
+
+
+class _QKVRoPEFunction(torch.autograd.Function):
+    """linear_qkv's output [s, b, ng, (qpg + 2) d] -> rotated q [s, b, ng * qpg, d], rotated k [s, b, ng, d],
+    and v, a view of it. Backward writes the three gradients straight into one [s, b, ng, (qpg + 2) d]
+    tensor in one launch (v's copied), where torch.split's backward would concatenate them after the rotation
+    wrote two of them, and the forward reads q in place, where q.reshape would copy it (grouped heads do not
+    merge into one stride)."""
+
+    @staticmethod
+    def forward(ctx, mixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qpg: int, d: int):
+        s, b, ng, _ = mixed.shape
+        q_in, k_in, v = torch.split(mixed, [qpg * d, d, d], dim=3)
+        q = mixed.new_empty(s, b, ng * qpg, d)
+        k = mixed.new_empty(s, b, ng, d)
+        _ext.get_ext().rope_apply([q_in.unflatten(3, (qpg, d)), k_in], cos, sin, [q.view(s, b, ng, qpg, d), k], False)
+        ctx.save_for_backward(cos, sin)
+        ctx.shape, ctx.dtype, ctx.qpg, ctx.d = mixed.shape, mixed.dtype, qpg, d
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        (s, b, ng, _), qpg, d = ctx.shape, ctx.qpg, ctx.d
+        dmixed = torch.empty(ctx.shape, dtype=ctx.dtype, device=cos.device)
+        dq_out, dk_out, dv_out = torch.split(dmixed, [qpg * d, d, d], dim=3)
+        # an unused output's gradient is zero (never so in attention, but autograd allows it)
+        dq = dmixed.new_zeros(s, b, ng * qpg, d) if dq is None else _last_dim_contiguous(dq)
+        dk = dmixed.new_zeros(s, b, ng, d) if dk is None else _last_dim_contiguous(dk)
+        dv = dmixed.new_zeros(s, b, ng, d) if dv is None else _last_dim_contiguous(dv)
+        _ext.get_ext().rope_apply([dq.unflatten(2, (ng, qpg)), dk, dv], cos, sin,
+                                  [dq_out.unflatten(3, (qpg, d)), dk_out, dv_out], True, True)
+        return dmixed, None, None, None, None
+
+
+def split_qkv_rope(mixed: torch.Tensor, qpg: int, d: int, freqs: torch.Tensor):
+    """linear_qkv's output [s, b, ng, (qpg + 2) d] (Megatron's layout: each group's qpg query heads, then its
+    key and value) -> (q [s, b, ng * qpg, d], k [s, b, ng, d], v [s, b, ng, d]), q and k rotated by freqs
+    (``apply_rotary_pos_emb``'s sbhd freqs). One kernel each way on the GPU; elsewhere the same as
+    torch.split, reshape and ``apply_rotary_pos_emb_qk``."""
+    s, b, ng, _ = mixed.shape
+    q, k, v = torch.split(mixed, [qpg * d, d, d], dim=3)
+    f3 = _freqs_3d(k, freqs, "sbhd")
+    if mixed.stride(-1) == 1 and _kernel_ok(mixed, freqs, "sbhd"):
+        return _QKVRoPEFunction.apply(mixed, *_cos_sin(freqs, f3), qpg, d)
+    q, k = apply_rotary_pos_emb_qk(q.reshape(s, b, ng * qpg, d), k, freqs)
+    return q, k, v

@@ -225,9 +225,9 @@ def _layer_elementwise(model: ModelSpec, layout: Layout, forward: bool) -> float
     n += rows * h * 2 * (3 + mask)  # two bias-dropout-add backwards (grad, bias-grad reduction, mask)
     n += tokens * (2 * fc1 + ffn)  # activation backward: read dy and x, write dx (and the fc1 bias gradient
     # from the same pass: the fused kernel's partial sums in registers)
-    n += tokens * rope
     n += tokens * q * 2  # the attention output's gradient made contiguous for the attention backward
-    n += tokens * qkv * 2  # dq, dk, dv concatenated into linear_qkv's [s, b, qkv] gradient (split's backward)
+    n += tokens * qkv * 2  # dq, dk, dv into linear_qkv's [s, b, qkv] gradient: the split's backward (a
+    # concatenation), or with RoPE fused.split_qkv_rope's backward, which rotates dq and dk in the same pass
     n += tokens * qkv if bias else 0  # linear_qkv's bias gradient: grad_output.sum(0)
     return n
 
