@@ -262,6 +262,35 @@ def cases(quick: bool, tiny: bool):
             impls["liger"] = (lambda q, k, c, si: LigerRopeFunction.apply(q, k, c, si), make_liger, [0, 1])
         out.append(Case("rope q+k (sbhd)", f"2x[{s}, {b}, {heads}, {d}]", 4 * n * ESZ, 4 * n * ESZ, impls, make, [0, 1]))
 
+    # linear_qkv's output [s, b, ng, (qpg + 2) d] split into q, k, v and q, k rotated (LLaMA's grouped query
+    # attention): the fewest bytes are q and k read and written forward, the three gradients read and one
+    # tensor written backward. "split+rope" is the model's path before split_qkv_rope (our RoPE kernel).
+    qkv_shapes = ((4096, 2, 8, 4, 64), (8192, 1, 8, 4, 128))
+    for s, b, ng, qpg, d in (((16, 2, 2, 2, 16) if tiny else qkv_shapes[0],) if quick else qkv_shapes):
+        n = s * b * ng * d  # elements of k (and of v)
+
+        def make_qkv(s=s, b=b, ng=ng, qpg=qpg, d=d):
+            inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
+            f = torch.outer(torch.arange(s, device=dev, dtype=torch.float32), inv)
+            return [rn(s, b, ng, (qpg + 2) * d), torch.cat((f, f), -1)[:, None, None, :].contiguous()]
+
+        def split(m, qpg=qpg, d=d):
+            q, k, v = torch.split(m, [qpg * d, d, d], dim=3)
+            return q.reshape(*q.shape[:2], -1, d), k, v
+
+        def split_then_rope(m, fr, split=split):  # bound now: the next shape's loop redefines split
+            q, k, v = split(m)
+            return (*fused.apply_rotary_pos_emb_qk(q, k, fr), v)
+
+        def eager_qkv(m, fr, split=split):
+            q, k, v = split(m)
+            return eager_rope(q, fr), eager_rope(k, fr), v
+
+        impls = {"ours": lambda m, fr, qpg=qpg, d=d: fused.split_qkv_rope(m, qpg, d, fr),
+                 "split+rope": split_then_rope, "eager": eager_qkv, "compile": compiled(eager_qkv)}
+        out.append(Case("qkv split + rope (GQA)", f"[{s}, {b}, {ng}, {(qpg + 2) * d}]", 2 * (qpg + 1) * n * ESZ,
+                        2 * (qpg + 2) * n * ESZ, impls, make_qkv, [0]))
+
     for bnp, s in ((((2, 64) if tiny else (32, 4096)),) if quick else ((64, 2048), (32, 4096), (8, 8192))):
         n = bnp * s * s
         sc = 0.088

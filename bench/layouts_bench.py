@@ -76,6 +76,7 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     "tp2-sp-compile": (2, TP2 + ["--compile"], [], False),
     # --enable-cuda-graph: the layers' launches replayed as graphs (the host-bound TP step's fix)
     "1gpu-graph": (1, GPT + ["--global-batch-size", "16", "--enable-cuda-graph"], [], False),
+    "llama-1gpu-graph": (1, LLAMA + ["--enable-cuda-graph"], [], False),
     "tp2-sp-graph": (2, TP2 + ["--enable-cuda-graph"], PROFILE, False),
     "tp2-graph": (2, TP2_NOSP + ["--enable-cuda-graph"], PROFILE, False),
     "llama-tp2-sp-graph": (2, LLAMA + ["--tp", "2", "--sequence-parallel", "--enable-cuda-graph"], [], False),
