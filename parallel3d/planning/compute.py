@@ -216,7 +216,9 @@ def _layer_elementwise(model: ModelSpec, layout: Layout, forward: bool) -> float
         n += rows * h * 2 * (3 + mask)  # two bias-dropout-adds: read x and the residual, write out (+ mask)
         n += tokens * (fc1 + ffn)  # bias-activation: read fc1's output, write the activation
         n += tokens * rope  # RoPE on q and k
-        n += tokens * q * 2  # core attention's [b, n, s, d] output permuted back to [s, b, n*d]: a copy
+        # core attention's [b, n, s, d] output permuted back to [s, b, n*d]: a copy with the local backend and
+        # flash; cuDNN's SDPA (H100's default) writes it in that layout already, a pass counted here regardless
+        n += tokens * q * 2
         if t > 1 and not layout.sequence_parallel:  # _ReduceFromRegion clones linear_proj's and linear_fc2's
             n += tokens * h * 2 * 2  # output before their in-place all-reduces
         return n
@@ -225,7 +227,7 @@ def _layer_elementwise(model: ModelSpec, layout: Layout, forward: bool) -> float
     n += rows * h * 2 * (3 + mask)  # two bias-dropout-add backwards (grad, bias-grad reduction, mask)
     n += tokens * (2 * fc1 + ffn)  # activation backward: read dy and x, write dx (and the fc1 bias gradient
     # from the same pass: the fused kernel's partial sums in registers)
-    n += tokens * q * 2  # the attention output's gradient made contiguous for the attention backward
+    n += tokens * q * 2  # the attention output's gradient made contiguous (as forward: not under cuDNN's SDPA)
     n += tokens * qkv * 2  # dq, dk, dv into linear_qkv's [s, b, qkv] gradient: the split's backward (a
     # concatenation), or with RoPE fused.split_qkv_rope's backward, which rotates dq and dk in the same pass
     n += tokens * qkv if bias else 0  # linear_qkv's bias gradient: grad_output.sum(0)
