@@ -80,3 +80,23 @@ def check_against_reference(fn, ref_fn, args, grad_idx, tol, floors=None):
 
 def randn(*shape, dtype, device, scale=1.0):
     return (torch.randn(*shape, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def emulated_rope_apply(ts, cos, sin, outs, backward, copy_last=False):
+    """The kernel's contract in PyTorch (csrc/rope.cu): each t, a 4-D [s, b, h, d] or 5-D [s, b, g, h, d]
+    view, rotated (backward: the transposed rotation) into its out, in fp32 and rounded once; with
+    copy_last, the last t copied unrotated."""
+    rot, half = cos.shape[-1], cos.shape[-1] // 2
+    assert len(ts) == len(outs) and 1 <= len(ts) - copy_last <= 2 and (len(ts) >= 2 or not copy_last)
+    for i, (t, out) in enumerate(zip(ts, outs)):
+        assert t.dim() in (4, 5) and out.shape == t.shape and t.stride(-1) == out.stride(-1) == 1
+        if copy_last and i == len(ts) - 1:
+            out.copy_(t)
+            continue
+        x = t.float().reshape(t.shape[0], t.shape[1], -1, t.shape[-1])
+        c, sn = cos[:, :, None], sin[:, :, None]
+        y = x[..., :rot] * sn
+        turned = torch.cat((y[..., half:], -y[..., :half]), -1) if backward else \
+            torch.cat((-x[..., half:rot], x[..., :half]), -1) * sn
+        x = torch.cat((x[..., :rot] * c + turned, x[..., rot:]), -1)
+        out.copy_(x.view(out.shape).to(out.dtype))

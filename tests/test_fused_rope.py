@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import parallel3d.fused as fused
-from fused_reference import CPU_DTYPES, DTYPES, TOL, check_against_reference, gpu, randn, rel_err
+from fused_reference import (CPU_DTYPES, DTYPES, TOL, check_against_reference, emulated_rope_apply, gpu, randn,
+                             rel_err)
 
 
 # ---- fp64 references (written from Megatron-Core / HF, independent of the wrappers) and checks 
@@ -181,26 +182,6 @@ def test_rope_strided_view_gpu(poisoned, dtype):
 
 
 # ---- linear_qkv's output split and rotated in place (split_qkv_rope) -------------------------
-
-def emulated_rope_apply(ts, cos, sin, outs, backward, copy_last=False):
-    """The kernel's contract in PyTorch (csrc/rope.cu): each t, a 4-D [s, b, h, d] or 5-D [s, b, g, h, d]
-    view, rotated (backward: the transposed rotation) into its out, in fp32 and rounded once; with
-    copy_last, the last t copied unrotated."""
-    rot, half = cos.shape[-1], cos.shape[-1] // 2
-    assert len(ts) == len(outs) and 1 <= len(ts) - copy_last <= 2 and (len(ts) >= 2 or not copy_last)
-    for i, (t, out) in enumerate(zip(ts, outs)):
-        assert t.dim() in (4, 5) and out.shape == t.shape and t.stride(-1) == out.stride(-1) == 1
-        if copy_last and i == len(ts) - 1:
-            out.copy_(t)
-            continue
-        x = t.float().reshape(t.shape[0], t.shape[1], -1, t.shape[-1])
-        c, sn = cos[:, :, None], sin[:, :, None]
-        y = x[..., :rot] * sn
-        turned = torch.cat((y[..., half:], -y[..., :half]), -1) if backward else \
-            torch.cat((-x[..., half:rot], x[..., :half]), -1) * sn
-        x = torch.cat((x[..., :rot] * c + turned, x[..., rot:]), -1)
-        out.copy_(x.view(out.shape).to(out.dtype))
-
 
 def _check_split_qkv_rope(device, dtype, per_sample=False):
     """split_qkv_rope against torch.split and the fp64 Megatron rotation: q (3 heads a group, 2 groups), k and

@@ -194,6 +194,38 @@ def test_attention_backends_masks_and_fusion_flags_agree(monkeypatch):
         assert not torch.allclose(a, ref)
 
 
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", {}),  # grouped query attention: two q heads a group
+    ("gpt2", dict(position_embedding_type="rope", rotary_percent=0.5)),  # partial rotary, a q head a group
+])
+def test_the_fused_rope_path_matches_the_unfused_one(monkeypatch, family, overrides):
+    """attention.py's fused RoPE path (fused.split_qkv_rope's autograd function, the GPU kernel emulated by its
+    contract) against apply_rope_fusion=False: the loss and every gradient. tests/gpu runs the kernel itself."""
+    from types import SimpleNamespace
+
+    from fused_reference import emulated_rope_apply
+
+    from parallel3d.fused import _ext, rope
+
+    ids, pos, labels, w = _data(_config(family, **overrides))
+    unfused = GPTModel(_config(family, apply_rope_fusion=False, **overrides))
+    fused = GPTModel(_config(family, **overrides))
+    fused.load_state_dict(unfused.state_dict())
+    launches = []
+    monkeypatch.setattr(rope, "_kernel_ok", lambda *a: True)
+    monkeypatch.setattr(_ext, "get_ext", lambda: SimpleNamespace(
+        rope_apply=lambda *a: (launches.append(a[4:]), emulated_rope_apply(*a))))
+    losses = []
+    for model in (unfused, fused):
+        losses.append(model(ids, pos, labels=labels))
+        (losses[-1] * w).sum().backward()
+    _close(losses[1], losses[0], f"{family} loss")
+    for (name, a), b in zip(fused.named_parameters(), unfused.parameters()):
+        _close(a.grad, b.grad, f"{family} {name}.grad")
+    layers = fused.config.num_layers
+    assert launches == [(False,)] * layers + [(True, True)] * layers  # one launch a layer each way
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_recompute_reproduces_loss_and_grads_with_dropout(family):
     cfg_kw = dict(num_layers=3, hidden_dropout=0.2, attention_dropout=0.2)
