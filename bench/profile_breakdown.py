@@ -8,7 +8,9 @@ From the profiler's kernel list (``torch.profiler`` with CUDA activity) of one r
 - ``idle_ms``: the part of the span (first kernel start to last kernel end) with no kernel at all (host
   overhead, launch gaps, waits);
 - ``top_other_ms``: the ``other`` kernels with the most time, by name, to say which of them two runs
-  differ in (GEMMs and attention are the same cuBLAS and flash kernels in ours and the peers').
+  differ in (GEMMs and attention are the same cuBLAS and flash kernels in ours and the peers');
+- ``top_gaps``: the longest stretches of that idle time, each with when it began and the kernels on either
+  side, to say where it comes from (a host synchronisation, a phase whose launches the GPU outruns).
 """
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ def kernel_breakdown(prof) -> dict:
             "nccl_overlap_fraction": beside / _length(comm) if comm else None,
             "nccl_kernels": sum(1 for c, _, _ in kernels if c == "comm"),
             "top_other_ms": _top(prof, "other", 12), "top_host_ms": top_host(prof, 15),
+            "top_gaps": top_gaps(_kernels(prof), 10),
             "kernel_launches": sum(1 for e in prof.events() if e.name in _LAUNCHES)}
 
 
@@ -96,6 +99,21 @@ def top_host(prof, n: int) -> dict[str, float]:
     by the host spends it."""
     rows = sorted(prof.key_averages(), key=lambda r: -r.self_cpu_time_total)[:n]
     return {r.key[:90]: round(r.self_cpu_time_total * 1e-3, 3) for r in rows}
+
+
+def top_gaps(kernels: list, n: int) -> list[dict]:
+    """The ``n`` longest gaps with no kernel running on any stream, longest first: its length (ms), when it began
+    (ms after the first kernel's start), the kernel that ended last before it and the one that started it."""
+    order = sorted(kernels, key=lambda e: e.time_range.start)
+    gaps, end, before = [], order[0].time_range.start if order else 0.0, None
+    for e in order:
+        if before is not None and e.time_range.start > end:
+            gaps.append({"ms": round((e.time_range.start - end) * 1e-3, 3),
+                         "at_ms": round((end - order[0].time_range.start) * 1e-3, 3),
+                         "after": before.name[:90], "before": e.name[:90]})
+        if before is None or e.time_range.end > end:
+            end, before = e.time_range.end, e
+    return sorted(gaps, key=lambda g: -g["ms"])[:n]
 
 
 def _top(prof, cls: str, n: int) -> dict[str, float]:

@@ -51,6 +51,8 @@ def test_breakdown_counts_exposed_communication_and_idle():
     assert r["top_other_ms"] == {"elementwise": pytest.approx(0.6)}
     assert list(r["top_host_ms"].items()) == [("aten::mm", 3.0), ("cudaLaunchKernel", 1.5)]  # most host time first
     assert r["kernel_launches"] == 2
+    assert r["top_gaps"] == [{"ms": pytest.approx(0.5), "at_ms": pytest.approx(1.5), "after": "ncclAllGather",
+                              "before": "flash_fwd"}]  # the idle stretch, between the kernels around it
     assert kernel_breakdown(SimpleNamespace(events=lambda: [cpu_op])) == {}
 
 
@@ -70,3 +72,13 @@ def test_collective_table_joins_each_nccl_kernel_to_its_launch():
     assert ag["count"] == 1 and ag["median_run_us"] == 40.0 and ag["median_queued_us"] == 78.0
     assert ag["beside_compute_ms"] == 0.01 and ag["exposed_ms"] == 0.03 and ag["streams"] == [19]
     assert result["span_ms"] == 0.13 and result["compute_busy_ms"] == 0.1
+
+
+def test_top_gaps_are_the_longest_first_with_their_neighbours():
+    from profile_breakdown import top_gaps
+
+    kernels = [_kernel("c", 4500, 5000), _kernel("a", 0, 1000), _kernel("long", 200, 1200), _kernel("b", 3000, 4000)]
+    assert top_gaps(kernels, 5) == [
+        {"ms": pytest.approx(1.8), "at_ms": pytest.approx(1.2), "after": "long", "before": "b"},  # a ran inside long
+        {"ms": pytest.approx(0.5), "at_ms": pytest.approx(4.0), "after": "b", "before": "c"}]
+    assert len(top_gaps(kernels, 1)) == 1 and top_gaps([], 3) == []
