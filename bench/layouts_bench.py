@@ -77,6 +77,9 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     # --enable-cuda-graph: the layers' launches replayed as graphs (the host-bound TP step's fix)
     "1gpu-graph": (1, GPT + ["--global-batch-size", "16", "--enable-cuda-graph"], [], False),
     "llama-1gpu-graph": (1, LLAMA + ["--enable-cuda-graph"], [], False),
+    # the one-GPU rows profiled: where the step's idle time falls (profile_breakdown.top_gaps)
+    "1gpu-profile": (1, GPT + ["--global-batch-size", "16"], PROFILE, False),
+    "llama-1gpu-profile": (1, LLAMA, PROFILE, False),
     "tp2-sp-graph": (2, TP2 + ["--enable-cuda-graph"], PROFILE, False),
     "tp2-graph": (2, TP2_NOSP + ["--enable-cuda-graph"], PROFILE, False),
     "llama-tp2-sp-graph": (2, LLAMA + ["--tp", "2", "--sequence-parallel", "--enable-cuda-graph"], [], False),
@@ -135,6 +138,8 @@ def measure(names: list[str], out: str, iters: int, warmup: int, timeout: int, p
             print(f"profile {name}: " + ", ".join(f"{k} {ours[k]:.1f}" for k in BREAKDOWN))
         if ours.get("collective_profile"):
             print(f"collectives {name}: {json.dumps(ours['collective_profile'])}")
+        if ours.get("top_gaps"):
+            print(f"idle gaps {name}: {json.dumps(ours['top_gaps'])}")
         if peer and peers:
             runs = [run(f"megatron_{name}", gpus, MEGATRON, common, logs, timeout=timeout)]
             if "--tp" in common and os.environ.get("MEGATRON_CDMC1") == "1":
