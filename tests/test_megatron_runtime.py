@@ -53,6 +53,11 @@ def test_first_launch_resume_schedule_finetune_and_no_save_optim(tmp_path):
     records = [json.loads(line) for line in open(tmp_path / "log.jsonl")]
     assert {r["type"] for r in records} == {"train", "eval"}  # item 17: kept apart
     assert all(("eval_loss" in r) == (r["type"] == "eval") for r in records)
+    # Megatron's end of pretrain(): after the last save, the validation set and the test set once more
+    assert [(r["split"], r["iteration"]) for r in records if r["type"] == "eval"] == [
+        ("validation", 2), ("validation", 2), ("test", 2)]
+    assert out.index("saved checkpoint of iteration 2") < out.index("validation at the end of training, iteration 2") \
+        < out.index("test at the end of training, iteration 2")
 
     # item 8: a longer --train-iters changes the decay length: refused, naming both values in iterations
     out = _pretrain(tmp_path, *base, "--train-iters", "4", ok=False)

@@ -4,7 +4,8 @@
     python3 tools/plot_log.py train_log.jsonl --out loss.png [--log-y]
 
 Draws the training loss of every logged interval and the validation loss of every evaluation
-(records with ``"type": "eval"``; older logs are told apart by their ``eval_loss`` key), against
+(records with ``"type": "eval"`` but not the final test set's, ``"split": "test"``; older logs are told
+apart by their ``eval_loss`` key), against
 the iteration. A resumed run appends to the same file: each iteration keeps its last record.
 Needs matplotlib (``pip install parallel3d[plot]``).
 """
@@ -28,7 +29,7 @@ def read_log(path: str) -> tuple[dict[int, float], dict[int, float]]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: line {lineno} is not JSON ({e.msg}): a --log-json file?") from None
-            if record.get("type") == "eval" or "eval_loss" in record:
+            if (record.get("type") == "eval" or "eval_loss" in record) and record.get("split") != "test":
                 valid[int(record["iteration"])] = float(record["eval_loss"])
             elif "loss" in record:
                 train[int(record["iteration"])] = float(record["loss"])

@@ -24,7 +24,8 @@ def _cyclic(loader: Optional[torch.utils.data.DataLoader]) -> Optional[Iterator]
 
 def build_data_iterators(datasets_provider: Callable, config: TrainingConfig, consumed_train: int,
                          consumed_valid: int, num_chunks: int):
-    """One iterator per model chunk (every chunk sees the same sequence of microbatches)."""
+    """(train, valid, test): one iterator per model chunk each (every chunk sees the same sequence of
+    microbatches); an entry is None where the datasets provider gave no such split."""
     loop, gbs = config.loop, config.layout.target_global_batch_size
     eval_runs = (loop.train_iters // loop.eval_interval + 1) * loop.eval_iters
     # Megatron's sizes: --train-samples when given, else iterations x the global batch; never fewer than the
@@ -42,4 +43,5 @@ def build_data_iterators(datasets_provider: Callable, config: TrainingConfig, co
 
     train = [iter(loader(train_ds, consumed_train)) if train_ds is not None else None for _ in range(num_chunks)]
     valid = [_cyclic(loader(valid_ds, consumed_valid)) for _ in range(num_chunks)]
-    return train, valid
+    test = [_cyclic(loader(test_ds, 0)) for _ in range(num_chunks)]  # read once, at the end (Megatron's)
+    return train, valid, test

@@ -26,7 +26,7 @@ class WandbSink:
                               config={k: v for k, v in run_args.items() if isinstance(v, (int, float, str, bool))})
 
     def log(self, record: dict[str, Any]) -> None:
-        prefix = "eval/" if record.get("type") == "eval" else "train/"
+        prefix = "train/" if record.get("type") != "eval" else "test/" if record.get("split") == "test" else "eval/"
         values = {prefix + k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"}
         self.run.log(values, step=record["iteration"])
 
@@ -70,10 +70,13 @@ class TensorBoardSink:
         self._add("throughput", record["tflops_per_gpu"], it, None)  # TFLOP/s per GPU
         self._add("mem-max-allocated-bytes", record["memory_gb"] * 2 ** 30, it, None)
 
-    def log_eval(self, iteration: int, losses: dict[str, float], samples: Optional[int]) -> None:
+    def log_eval(self, iteration: int, losses: dict[str, float], samples: Optional[int],
+                 split: str = "validation") -> None:
+        """Megatron's "<key> validation" tags; the final test-set losses under "<key> test", apart from the
+        validation curve."""
         for key, value in losses.items():
-            self._add(f"{key} validation", value, iteration, samples)
-            self._add(f"{key} validation ppl", math.exp(min(20.0, value)), iteration, samples)
+            self._add(f"{key} {split}", value, iteration, samples)
+            self._add(f"{key} {split} ppl", math.exp(min(20.0, value)), iteration, samples)
 
     def close(self) -> None:
         self.writer.close()

@@ -108,15 +108,19 @@ class TrainingLogger:
                   + (f" | skipped {self.skipped}" if self.skipped else ""))
         self.reset()
 
-    def log_eval(self, iteration: int, losses: dict[str, float], consumed_samples: Optional[int] = None) -> None:
+    def log_eval(self, iteration: int, losses: dict[str, float], consumed_samples: Optional[int] = None,
+                 split: str = "validation", final: bool = False) -> None:
+        """``split``: "validation" or "test"; ``final``: the evaluation after the last iteration."""
         if not self.active:
             return
         if self.tb:
-            self.tb.log_eval(iteration, losses, consumed_samples)
+            self.tb.log_eval(iteration, losses, consumed_samples, split)
         loss = losses.get("lm loss", next(iter(losses.values()), float("nan")))
         ppl = math.exp(min(loss, 20.0))
-        progress.emit(self.bar, f"validation at iteration {iteration} | lm loss {loss:.4f} | perplexity {ppl:.2f}")
-        self.write({"type": "eval", "iteration": iteration, "eval_loss": loss, "eval_perplexity": ppl})
+        when = f"the end of training, iteration {iteration}" if final else f"iteration {iteration}"
+        progress.emit(self.bar, f"{split} at {when} | lm loss {loss:.4f} | perplexity {ppl:.2f}")
+        self.write({"type": "eval", "split": split, "iteration": iteration, "eval_loss": loss,
+                    "eval_perplexity": ppl})
 
     def close(self) -> None:
         if self.bar is not None:
