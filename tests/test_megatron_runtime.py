@@ -281,3 +281,16 @@ def test_the_log_starts_at_iteration_1_and_rates_no_gpu_on_cpu(tmp_path, capsys)
     logger.close()
     line = capsys.readouterr().out
     assert "iteration      2/4" in line and "TFLOP/s" not in line and "tokens/s | mem" in line
+
+
+def test_reported_losses_average_as_megatron_reports_them():
+    """LossAverager: a plain loss is the mean over microbatches; Megatron's (sum, count) pairs
+    (--calculate-per-token-loss) are token-weighted over the batch, not a mean of microbatch means."""
+    from parallel3d.training import LossAverager
+
+    plain = [{"lm loss": torch.tensor(1.0)}, {"lm loss": 3.0}]
+    assert LossAverager()(plain) == {"lm loss": 2.0}
+    pairs = [{"lm loss": (torch.tensor(6.0), torch.tensor(2))}, {"lm loss": (torch.tensor(2.0), torch.tensor(6))}]
+    assert LossAverager()(pairs) == {"lm loss": 1.0}  # 8 / 8 tokens; the microbatch means' mean would be 5/3
+    assert LossAverager()([{"lm loss": (torch.tensor(0.0), torch.tensor(0))}]) == {"lm loss": 0.0}  # all masked
+

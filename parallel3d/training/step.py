@@ -15,7 +15,9 @@ from parallel3d.training.training_config import TrainingConfig
 
 
 class LossAverager:
-    """Mean of each reported loss over microbatches (last stage) and DP, available on every rank.
+    """Each reported loss over microbatches (last stage) and DP, available on every rank: a value's mean, or for
+    Megatron's (sum, count) pairs (--calculate-per-token-loss) the summed sums over the summed counts, as
+    Megatron reports them (token-weighted over the global batch, not a mean of microbatch means).
 
     Only the last pipeline stage has losses; their names travel to the other ranks once
     (the first call), after which each call is one small all-reduce and one host copy.
@@ -33,25 +35,29 @@ class LossAverager:
                 names = [next((n for n in gathered if n is not None), None)]
             self.keys = names[0] or []
         dev = default_device()
-        if losses:
-            per_key = [torch.stack([_as_tensor(d[k], dev) for d in losses]).mean() for k in self.keys]
-            vec = torch.stack(per_key + [torch.ones((), dtype=torch.float64, device=dev)])
-        else:
-            vec = torch.zeros(len(self.keys) + 1, dtype=torch.float64, device=dev)
+        # per key: a numerator and a denominator, summed over microbatches here and over ranks below
+        parts = [_sum_and_count([d[k] for d in losses], dev) for k in self.keys] if losses else \
+            [torch.zeros(2, dtype=torch.float64, device=dev) for _ in self.keys]
+        vec = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=dev)
         if dist.is_initialized():
             with waiting_for("the loss all-reduce", "all ranks"):
-                dist.all_reduce(vec)  # sum over the ranks that reported, divided by their count below
+                dist.all_reduce(vec)  # the ranks that reported: their sums and counts
                 values = vec.tolist()  # NCCL: the host waits here, inside the block the watchdog names
         else:
             values = vec.tolist()
-        count = max(values[-1], 1.0)
-        return {k: values[i] / count for i, k in enumerate(self.keys)}
+        return {k: values[2 * i] / max(values[2 * i + 1], 1.0) for i, k in enumerate(self.keys)}
+
+
+def _sum_and_count(values: list[Any], dev: torch.device) -> torch.Tensor:
+    """[sum, count] of one key's microbatch values: of a (sum, count) pair's parts, or of the values."""
+    if isinstance(values[0], (tuple, list)):
+        return torch.stack([torch.stack([_as_tensor(v[i], dev) for v in values]).sum() for i in (0, 1)])
+    return torch.stack([torch.stack([_as_tensor(v, dev) for v in values]).sum(),
+                        torch.tensor(float(len(values)), dtype=torch.float64, device=dev)])
 
 
 def _as_tensor(x: Any, dev: torch.device) -> torch.Tensor:
-    """A reported value as a float64 scalar on ``dev``: a tensor, a number, or a (sum, count) pair."""
-    if isinstance(x, (tuple, list)):  # Megatron's per-token losses
-        return _as_tensor(x[0], dev) / _as_tensor(x[1], dev).clamp(min=1.0)
+    """A reported value (a tensor or a number) as a float64 scalar on ``dev``."""
     return torch.as_tensor(x, dtype=torch.float64, device=dev).detach().reshape(())
 
 
