@@ -53,7 +53,7 @@ def _sum_and_count(values: list[Any], dev: torch.device) -> torch.Tensor:
     if isinstance(values[0], (tuple, list)):
         return torch.stack([torch.stack([_as_tensor(v[i], dev) for v in values]).sum() for i in (0, 1)])
     return torch.stack([torch.stack([_as_tensor(v, dev) for v in values]).sum(),
-                        torch.tensor(float(len(values)), dtype=torch.float64, device=dev)])
+                        torch.full((), float(len(values)), dtype=torch.float64, device=dev)])  # a fill, no copy
 
 
 def _as_tensor(x: Any, dev: torch.device) -> torch.Tensor:

@@ -104,7 +104,7 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
     duration = DurationLimit(loop.exit_duration_in_mins)
     for chunk in model:
         chunk.train()
-    first_iteration, ended_early = iteration, False
+    first_iteration, reached_end = iteration, False
     graphs_after = getattr(model_config, "cuda_graph_warmup_steps", 0) if getattr(model_config, "enable_cuda_graph",
                                                                                   False) else 0
     if graphs_after:
@@ -148,19 +148,19 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
                 save(iteration)
                 last_saved = iteration
             if loop.exit_interval and iteration % loop.exit_interval == 0:
-                ended_early = True
                 break
             if duration.reached():
                 print_rank_0(f"exiting after iteration {iteration}: --exit-duration-in-mins "
                              f"{loop.exit_duration_in_mins} reached"
                              + ("" if ckpt.save else "; no --save, so nothing is saved"))
-                ended_early = True
                 break
             if exit_signal is not None and exit_signal.should_exit():
                 print_rank_0(f"exiting after iteration {iteration}: received SIGTERM (--exit-signal-handler)"
                              + ("" if ckpt.save else "; no --save, so nothing is saved"))
-                stopped_by_signal = ended_early = True
+                stopped_by_signal = True
                 break
+        else:  # no break: --train-iters reached, not --exit-interval, --exit-duration-in-mins or a signal
+            reached_end = True
     except BaseException:  # a failed step: the GPU may never finish, so do not wait for it
         release_cuda_graphs(model, wait=False)
         raise
@@ -170,7 +170,7 @@ def _pretrain(config: TrainingConfig, model_provider: Callable[..., torch.nn.Mod
     # Megatron's pretrain(): after a run that reached --train-iters and its last save, --eval-iters batches of
     # the validation set and of the test set (not after --exit-interval, --exit-duration-in-mins or a signal).
     for split, data in (("validation", valid_iter), ("test", test_iter)):
-        if not ended_early and loop.eval_iters > 0 and any(v is not None for v in data):
+        if reached_end and loop.eval_iters > 0 and any(v is not None for v in data):
             logger.log_eval(iteration, evaluate(forward_step_func, data, model, step_config, eval_losses),
                             consumed_train, split=split, final=True)
     logger.close()
