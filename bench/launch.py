@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
-from typing import Optional
+import threading
+import time
+from typing import Callable, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = os.path.join(ROOT, "bench", "gpt_bench.py")
@@ -14,6 +16,8 @@ if ROOT not in sys.path:  # a plain checkout: parallel3d from here, installed or
     sys.path.insert(0, ROOT)
 
 from parallel3d.lifetime import kill_job  # noqa: E402
+
+from gpu_clocks import ClockSampler, visible_gpus  # noqa: E402
 
 
 def _anchor(name: str) -> Optional[str]:
@@ -30,23 +34,34 @@ TITAN = (os.path.join(ROOT, "bench", "torchtitan_bench.py")
          if glob.glob(os.path.join(TITAN_WHEELS, "torchtitan-*.whl")) else None)
 
 
-def bounded(cmd: list[str], timeout: float, **popen) -> Optional[int]:
+def bounded(cmd: list[str], timeout: float, on_line: Optional[Callable[[str], None]] = None, **popen) -> Optional[int]:
     """Run a torchrun command line for at most ``timeout`` seconds; its exit code, None past the timeout. Past
     it, or when this process is interrupted, torchrun and every worker it started are killed: a worker left
-    behind would share the GPUs with the next run (``parallel3d.lifetime.kill_job``)."""
+    behind would share the GPUs with the next run (``parallel3d.lifetime.kill_job``). With ``on_line``, the
+    run's output (stdout and stderr) goes to it line by line, as each line comes."""
+    if on_line is not None:
+        popen.update(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, **popen)
+    reader = None
+    if on_line is not None:
+        reader = threading.Thread(target=lambda: [on_line(line) for line in proc.stdout], daemon=True)
+        reader.start()
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         return None
     finally:
         kill_job(proc)
+        if reader is not None:
+            reader.join(timeout=10)
 
 
 def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: str,
         timeout: Optional[int] = None, env: Optional[dict] = None) -> Optional[dict]:
     """torchrun ``script`` with ``args`` (and ``env`` added to the environment); the parsed RESULT_JSON, or
-    None (the log says why)."""
+    None (the log says why). Where nvidia-smi runs, the result also has ``gpu_clocks``: the SM clock and power
+    of the run's GPUs over its timed steps (bench/gpu_clocks.py), the ``--iters`` steps before its RESULT_JSON
+    line came."""
     if script is None:
         print(f"{name}: runner not found, skipped", flush=True)
         return None
@@ -54,16 +69,35 @@ def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: 
     os.makedirs(log_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script] + args
     log = os.path.join(log_dir, f"{name}.log")
-    with open(log, "w") as f:
-        if bounded(cmd, timeout, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}) is None:
+    env = {**os.environ, **(env or {})}
+    result_at: list[float] = []
+
+    def line(text: str) -> None:
+        f.write(text)
+        if text.startswith("RESULT_JSON: ") and not result_at:
+            result_at.append(time.time())
+
+    with open(log, "w") as f, ClockSampler(visible_gpus(nproc, env)) as clocks:
+        if bounded(cmd, timeout, on_line=line, env=env) is None:
             f.write(f"\nTIMEOUT after {timeout}s\n")
-    for line in open(log):
-        if line.startswith("RESULT_JSON: "):
-            result = json.loads(line[len("RESULT_JSON: "):])
-            print(f"{name}: {tokens_per_gpu(result):,.0f} tokens/s/GPU", flush=True)
+    for text in open(log):
+        if text.startswith("RESULT_JSON: "):
+            result = json.loads(text[len("RESULT_JSON: "):])
+            timed = _flag(args, "--iters") * iteration_time(result) if result_at else float("nan")
+            if timed == timed:  # not NaN: the window of the timed steps is known
+                result["gpu_clocks"] = clocks.summary(result_at[0] - timed, result_at[0])
+            c = result.get("gpu_clocks")
+            at = (f" (SM {c['sm_mhz_mean']} MHz, {c['power_w_mean']} W, power-capped in "
+                  f"{100 * c['power_capped_share']:.0f}% of samples)" if c else "")
+            print(f"{name}: {tokens_per_gpu(result):,.0f} tokens/s/GPU{at}", flush=True)
             return result
     print(f"{name}: FAILED, see {log}:\n" + "".join(open(log).readlines()[-12:]), flush=True)
     return None
+
+
+def _flag(args: list[str], flag: str) -> float:
+    """The value of ``flag`` in a command line, NaN where it is absent."""
+    return float(args[args.index(flag) + 1]) if flag in args else float("nan")
 
 
 def tokens_per_gpu(result: Optional[dict]) -> float:
@@ -73,4 +107,5 @@ def tokens_per_gpu(result: Optional[dict]) -> float:
 def iteration_time(result: Optional[dict]) -> float:
     if not result:
         return float("nan")
-    return float(result.get("iteration_time_s") or result.get("iter_time_median_s"))
+    value = result.get("iteration_time_s") or result.get("iter_time_median_s")
+    return float("nan") if value is None else float(value)
