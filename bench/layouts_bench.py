@@ -80,6 +80,10 @@ RUNS: dict[str, tuple[int, list[str], list[str], bool]] = {
     # the one-GPU rows profiled: where the step's idle time falls (profile_breakdown.top_gaps)
     "1gpu-profile": (1, GPT + ["--global-batch-size", "16"], PROFILE, False),
     "llama-1gpu-profile": (1, LLAMA, PROFILE, False),
+    # the one-GPU step is power-bound (BENCHMARKS.md, thirteenth lease): do GEMM algorithms chosen by timing
+    # (PyTorch's TunableOp, ENV below) beat cuBLAS's heuristic at the clock the step holds?
+    "1gpu-tunableop": (1, GPT + ["--global-batch-size", "16"], [], False),
+    "llama-1gpu-tunableop": (1, LLAMA, [], False),
     "tp2-sp-graph": (2, TP2 + ["--enable-cuda-graph"], PROFILE, False),
     "tp2-graph": (2, TP2_NOSP + ["--enable-cuda-graph"], PROFILE, False),
     "llama-tp2-sp-graph": (2, LLAMA + ["--tp", "2", "--sequence-parallel", "--enable-cuda-graph"], [], False),
@@ -117,7 +121,10 @@ RUNS = {name: (gpus, both, ours + ([] if "--enable-cuda-graph" in both + ours el
 _NC8 = {"TORCH_NCCL_HIGH_PRIORITY": "1", "NCCL_MAX_NCHANNELS": "8"}
 ENV = {"tp2-hp-co16": {"TORCH_NCCL_HIGH_PRIORITY": "1"}, "tp2-co16-nc8": _NC8,
        **{name: {"NCCL_CTA_POLICY": "0"} for name in RUNS if name.endswith("-symm")},
-       "tp2-sp-graph-hp": {"TORCH_NCCL_HIGH_PRIORITY": "1"}}
+       "tp2-sp-graph-hp": {"TORCH_NCCL_HIGH_PRIORITY": "1"},
+       **{name: {"PYTORCH_TUNABLEOP_ENABLED": "1", "PYTORCH_TUNABLEOP_TUNING": "1",
+                 "PYTORCH_TUNABLEOP_FILENAME": f"/tmp/tunableop_{name}.csv"}
+          for name in ("1gpu-tunableop", "llama-1gpu-tunableop")}}
 # With MEGATRON_CDMC1=1, Megatron-Core's TP runs also with CUDA_DEVICE_MAX_CONNECTIONS=1 (its own setting for
 # its overlap) and the table takes its faster run (unset was faster in both calls of BENCHMARKS.md's issue-26 section).
 CDMC1 = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
