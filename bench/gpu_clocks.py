@@ -70,10 +70,13 @@ class ClockSampler:
         smi = shutil.which("nvidia-smi")
         if smi is None or not self.gpus:
             return self
-        query = FIELDS.format(reasons=_reasons_field(smi))
-        self._proc = subprocess.Popen([smi, f"--query-gpu={query}", "--format=csv,noheader,nounits",
-                                       f"-lms={self.period_ms}", "-i", ",".join(self.gpus)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:  # a sampler that cannot start leaves the run unsampled, never failed
+            query = FIELDS.format(reasons=_reasons_field(smi))
+            self._proc = subprocess.Popen([smi, f"--query-gpu={query}", "--format=csv,noheader,nounits",
+                                           f"-lms={self.period_ms}", "-i", ",".join(self.gpus)],
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except (OSError, subprocess.SubprocessError):
+            return self
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         return self
