@@ -40,7 +40,8 @@ def bounded(cmd: list[str], timeout: float, on_line: Optional[Callable[[str], No
     behind would share the GPUs with the next run (``parallel3d.lifetime.kill_job``). With ``on_line``, the
     run's output (stdout and stderr) goes to it line by line, as each line comes."""
     if on_line is not None:
-        popen.update(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # errors="replace": a byte that is not UTF-8 must not stop the reader, which would leave the pipe full
+        popen.update(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, **popen)
     reader = None
     if on_line is not None:
