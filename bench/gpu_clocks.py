@@ -19,8 +19,7 @@ from typing import Optional
 
 FIELDS = "timestamp,index,clocks.sm,power.draw,{reasons}"
 SW_POWER_CAP = 0x4  # nvmlClocksEventReasonSwPowerCap
-HW_SLOWDOWN = 0x8 | 0x40 | 0x80  # HW slowdown, HW thermal slowdown, HW power brake
-SW_THERMAL = 0x20
+SLOWDOWN = 0x8 | 0x20 | 0x40 | 0x80  # HW slowdown, SW thermal, HW thermal slowdown, HW power brake
 
 
 def _reasons_field(smi: str) -> str:
@@ -54,7 +53,7 @@ def summarize(samples: list, start: float, end: float) -> Optional[dict]:
     return {"samples": n, "sm_mhz_mean": round(sum(x[2] for x in s) / n), "sm_mhz_min": round(min(x[2] for x in s)),
             "power_w_mean": round(sum(x[3] for x in s) / n),
             "power_capped_share": round(sum(1 for x in s if x[4] & SW_POWER_CAP) / n, 3),
-            "slowdown_share": round(sum(1 for x in s if x[4] & (HW_SLOWDOWN | SW_THERMAL)) / n, 3)}
+            "slowdown_share": round(sum(1 for x in s if x[4] & SLOWDOWN) / n, 3)}
 
 
 class ClockSampler:

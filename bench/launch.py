@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -71,29 +72,29 @@ def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script] + args
     log = os.path.join(log_dir, f"{name}.log")
     env = {**os.environ, **(env or {})}
-    result_at: list[float] = []
+    result_line, result_at = None, 0.0  # the first RESULT_JSON line, and when it came
 
     def line(text: str) -> None:
+        nonlocal result_line, result_at
         f.write(text)
-        if text.startswith("RESULT_JSON: ") and not result_at:
-            result_at.append(time.time())
+        if result_line is None and text.startswith("RESULT_JSON: "):
+            result_line, result_at = text, time.time()
 
     with open(log, "w") as f, ClockSampler(visible_gpus(nproc, env)) as clocks:
         if bounded(cmd, timeout, on_line=line, env=env) is None:
             f.write(f"\nTIMEOUT after {timeout}s\n")
-    for text in open(log):
-        if text.startswith("RESULT_JSON: "):
-            result = json.loads(text[len("RESULT_JSON: "):])
-            timed = _flag(args, "--iters") * iteration_time(result) if result_at else float("nan")
-            if timed == timed:  # not NaN: the window of the timed steps is known
-                result["gpu_clocks"] = clocks.summary(result_at[0] - timed, result_at[0])
-            c = result.get("gpu_clocks")
-            at = (f" (SM {c['sm_mhz_mean']} MHz, {c['power_w_mean']} W, power-capped in "
-                  f"{100 * c['power_capped_share']:.0f}% of samples)" if c else "")
-            print(f"{name}: {tokens_per_gpu(result):,.0f} tokens/s/GPU{at}", flush=True)
-            return result
-    print(f"{name}: FAILED, see {log}:\n" + "".join(open(log).readlines()[-12:]), flush=True)
-    return None
+    if result_line is None:
+        print(f"{name}: FAILED, see {log}:\n" + "".join(open(log).readlines()[-12:]), flush=True)
+        return None
+    result = json.loads(result_line[len("RESULT_JSON: "):])
+    timed = _flag(args, "--iters") * iteration_time(result)  # NaN where either is unknown
+    if not math.isnan(timed):
+        result["gpu_clocks"] = clocks.summary(result_at - timed, result_at)
+    c = result.get("gpu_clocks")
+    at = (f" (SM {c['sm_mhz_mean']} MHz, {c['power_w_mean']} W, power-capped in "
+          f"{100 * c['power_capped_share']:.0f}% of samples)" if c else "")
+    print(f"{name}: {tokens_per_gpu(result):,.0f} tokens/s/GPU{at}", flush=True)
+    return result
 
 
 def _flag(args: list[str], flag: str) -> float:
