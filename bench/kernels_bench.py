@@ -300,6 +300,14 @@ def cases(quick: bool, tiny: bool):
                          "compile": compiled(lambda x: eager_causal_softmax(x, sc))},
                         lambda bnp=bnp, s=s: [rn(bnp, s, s)], [0]))
 
+    # A bias's gradient, the output gradient summed over the tokens (GPT-1.3B's 8192 tokens: linear_proj's and
+    # linear_fc2's bias [h], linear_qkv's [3h], linear_fc1's [4h]): one read. "eager" is the sum the linear took.
+    for cols in ((64,) if tiny else (2048, 6144, 8192)):
+        n = (64 if tiny else 8192) * cols
+        out.append(Case("bias_grad", f"[{n // cols}, {cols}]", n * ESZ, None,
+                        {"ours": fused.bias_grad, "eager": lambda x: x.sum(0), "compile": compiled(lambda x: x.sum(0))},
+                        lambda cols=cols, n=n: [rn(n // cols, cols)], []))
+
     # The loss at TP = 1 on GPT-2's and LLaMA-3's vocabularies, 8192 tokens (micro-batch 4 x seq 2048):
     # the fewest bytes are one read forward, one read and one write backward. "eager" is what a user
     # writes (F.cross_entropy on fp32 logits); the fused op's own fallback is the eager one inside it.

@@ -38,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("s"), py::arg("mode"), py::arg("from_amax"), py::arg("e5m2"), py::arg("row"),
         py::arg("col"), py::arg("amax_out") = py::none());
 
+  m.def("column_sum", &p3d::column_sum, "x summed over all but its last dimension (fp32 accumulation)", py::arg("x"));
   m.def("bias_gelu_fwd", &p3d::bias_gelu_fwd, py::arg("x"), py::arg("bias"), py::arg("approximate_tanh"));
   m.def("bias_gelu_bwd", &p3d::bias_gelu_bwd, py::arg("dy"), py::arg("x"), py::arg("bias"),
         py::arg("approximate_tanh"));

@@ -25,6 +25,10 @@ void adamw_master_step(const std::vector<at::Tensor>& params, const std::vector<
                        const std::vector<at::Tensor>& model_params, double lr, double beta1, double beta2,
                        double eps, double weight_decay, int64_t step, double grad_scale);
 
+// reduce_partials.cu: x summed over every dimension but the last, accumulated in fp32, in x's dtype
+// (a bias gradient)
+at::Tensor column_sum(const at::Tensor& x);
+
 // bias_gelu.cu
 at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                          bool approximate_tanh);

@@ -1,5 +1,7 @@
 // Stage 2 of the two-stage column reductions (bias, LayerNorm/RMSNorm weight
-// and bias gradients): out[c] = sum over p of partials[p, c].
+// and bias gradients): out[c] = sum over p of partials[p, c]. Also column_sum,
+// both stages for a gradient that is only the column sum (a linear's bias, the
+// bias of bias-dropout-add without dropout).
 //
 // Launch geometry: block (32, 32), one block per 32 columns.  The 32 lanes read
 // 32 consecutive columns of a partial row (coalesced); the 32 warps stride over
@@ -32,7 +34,45 @@ __global__ void sum_partials_kernel(const float* __restrict__ part, int64_t npar
   }
 }
 
+// Stage 1 of column_sum: each (32, 8) block adds its rows of 32 * VEC columns.
+template <typename T, int VEC>
+__global__ void column_sum_kernel(const T* __restrict__ x, float* __restrict__ part, int64_t rows, int64_t cols) {
+  __shared__ float sm[8 * 32 * VEC];
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * VEC;
+  float acc[VEC];
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) acc[v] = 0.f;
+  if (col < cols) {  // inactive threads still join the block reduction
+    const int64_t step = static_cast<int64_t>(gridDim.y) * 8;
+#pragma unroll 4
+    for (int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y; r < rows; r += step) {
+      const Pack<T, VEC> p = load_pack<T, VEC>(x + r * cols + col);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[v] += static_cast<float>(p.v[v]);
+    }
+  }
+  write_block_partial<VEC>(acc, sm, part + blockIdx.y * cols, cols);
+}
+
 }  // namespace
+
+at::Tensor column_sum(const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() >= 1, "column_sum: x must be a contiguous CUDA tensor");
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
+  if (rows == 0) return at::zeros({cols}, x.options());
+  at::Tensor part;
+  P3D_DISPATCH_FLOATING(x.scalar_type(), "column_sum", [&] {
+    using T = scalar_t;
+    dispatch_vec<T>(use_vec<T>(cols, {x.data_ptr()}), [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      const RowColGrid g = row_col_grid(rows, cols / VEC);
+      launch_kernel(column_sum_kernel<T, VEC>, g.grid, g.block, 0, x.data_ptr<T>(),
+                    new_partials(part, true, g, cols, x), rows, cols);
+    });
+  });
+  return sum_partials(part, x.scalar_type());
+}
 
 at::Tensor sum_partials(const at::Tensor& partials, at::ScalarType dtype) {
   TORCH_CHECK(partials.dim() == 2 && partials.scalar_type() == at::kFloat && partials.is_contiguous(),

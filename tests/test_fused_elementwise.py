@@ -1,4 +1,5 @@
-"""parallel3d.fused bias-GeLU/SwiGLU, bias-dropout-add, causal softmax, wgrad accumulation; the fusion switch."""
+"""parallel3d.fused bias-GeLU/SwiGLU, bias-dropout-add, a bias's gradient, causal softmax, wgrad accumulation; the
+fusion switch."""
 import math
 import os
 import subprocess
@@ -126,6 +127,25 @@ def test_causal_softmax_cpu(dtype, batches, s):
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 def test_wgrad_accumulate_cpu(dtype):
     _check_wgrad("cpu", dtype, 37, 11, 23)
+
+
+def _check_bias_grad(device, dtype, shape, contiguous=True):
+    dy = randn(*shape, dtype=dtype, device=device, scale=3.0)
+    if not contiguous:  # a transposed view: the op reads it as it is
+        dy = dy.transpose(0, 1).contiguous().transpose(0, 1)
+    ref = dy.double().reshape(-1, shape[-1]).sum(0)
+    out = fused.bias_grad(dy)
+    assert out.dtype == dtype and out.shape == (shape[-1],)
+    # fp32 accumulation, then one rounding to dtype: the rounding's relative error, whatever the row count
+    assert rel_err(out, ref) <= TOL[dtype]
+    return out
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (37, 1000), (4, 3, 7)])
+def test_bias_grad_cpu(dtype, shape):
+    _check_bias_grad("cpu", dtype, shape)
+    _check_bias_grad("cpu", dtype, shape, contiguous=False)
 
 
 def test_bias_dropout_add_eval_cpu():
@@ -264,6 +284,23 @@ def test_wgrad_accumulate_gpu(dtype, n, out_f, in_f):
         _check_wgrad("cuda", dtype, n, out_f, in_f)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (1023, 1000), (1023, 4097), (64, 16384), (2048, 4, 2048),
+                                   (8192, 6144), (5, 0), (0, 8)])
+def test_bias_grad_gpu(poisoned, dtype, shape):
+    dy = torch.empty(shape, dtype=dtype, device="cuda")
+    _assert_kernel_path(dy)
+    if dy.numel() == 0:
+        assert torch.equal(fused.bias_grad(dy), torch.zeros(shape[-1], dtype=dtype, device="cuda"))
+        return
+    out = _check_bias_grad("cuda", dtype, shape)
+    assert not _check_bias_grad("cuda", dtype, shape, contiguous=False).isnan().any()  # the fallback
+    dy = randn(*shape, dtype=dtype, device="cuda")
+    assert torch.equal(fused.bias_grad(dy), fused.bias_grad(dy)), "the sum's order must not change from run to run"
+    assert out.is_cuda
 
 
 @gpu

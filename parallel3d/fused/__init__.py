@@ -18,6 +18,7 @@ from parallel3d.fused._ext import describe, fusion_enabled, set_fusion_enabled
 from parallel3d.fused.adam import adamw_master_step, adamw_master_step_reference
 from parallel3d.fused.bias_dropout_add import bias_dropout_add, bias_dropout_add_reference
 from parallel3d.fused.bias_gelu import bias_gelu, bias_gelu_reference
+from parallel3d.fused.bias_grad import bias_grad, bias_grad_reference
 from parallel3d.fused.bias_swiglu import bias_swiglu, bias_swiglu_reference
 from parallel3d.fused.cross_entropy import cross_entropy
 from parallel3d.fused.fp8_cast import fp8_cast, fp8_cast_reference
@@ -38,6 +39,8 @@ __all__ = [
     "bias_dropout_add_reference",
     "bias_gelu",
     "bias_gelu_reference",
+    "bias_grad",
+    "bias_grad_reference",
     "bias_swiglu",
     "bias_swiglu_reference",
     "cross_entropy",

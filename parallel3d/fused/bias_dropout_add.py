@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel3d.fused import _ext
+from parallel3d.fused.bias_grad import bias_grad
 
 
 class _BiasDropoutAddFunction(torch.autograd.Function):
@@ -45,7 +46,7 @@ class _BiasDropoutAddFunction(torch.autograd.Function):
             dbias = grads[1] if ctx.has_bias else None
         else:
             dx = dy
-            dbias = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(dy.dtype) if ctx.has_bias else None
+            dbias = bias_grad(dy) if ctx.has_bias else None
         # The residual's gradient is dy itself.
         return dx, dbias, dy, None, None
 

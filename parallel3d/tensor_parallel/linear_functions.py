@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .. import parallel_state
 from ..collectives import all_gather_into_tensor, reduce_scatter_tensor
+from ..fused.bias_grad import bias_grad
 from . import wgrad_store
 from .fp8 import Fp8Scaling
 from .mappings import _reduce_scatter_first_dim, gather_first_dim
@@ -294,7 +295,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             gemm = functools.partial(ctx.fp8.wgrad, saved=fp8_saved)
         grad_weight = weight_gradient(weight, None if total_x is None else _2d(total_x), grad_output_2d,
                                       ctx.gradient_accumulation_fusion, gemm)
-        grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
+        grad_bias = bias_grad(grad_output_2d) if ctx.use_bias else None
 
         if handle is not None:
             with tp_collective("reduce of the input gradient", group):
