@@ -63,7 +63,8 @@ def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: 
     """torchrun ``script`` with ``args`` (and ``env`` added to the environment); the parsed RESULT_JSON, or
     None (the log says why). Where nvidia-smi runs, the result also has ``gpu_clocks``: the SM clock and power
     of the run's GPUs over its timed steps (bench/gpu_clocks.py), the ``--iters`` steps before its RESULT_JSON
-    line came."""
+    line came, or before ``timed_end_unix`` where the result has it (a runner that reports only after a
+    teardown: torchtitan's Trainer sleeps and destroys its process groups first)."""
     if script is None:
         print(f"{name}: runner not found, skipped", flush=True)
         return None
@@ -89,7 +90,8 @@ def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: 
     result = json.loads(result_line[len("RESULT_JSON: "):])
     timed = _flag(args, "--iters") * iteration_time(result)  # NaN where either is unknown
     if not math.isnan(timed):
-        result["gpu_clocks"] = clocks.summary(result_at - timed, result_at)
+        end = float(result.get("timed_end_unix", result_at))
+        result["gpu_clocks"] = clocks.summary(end - timed, end)
     c = result.get("gpu_clocks")
     at = (f" (SM {c['sm_mhz_mean']} MHz, {c['power_w_mean']} W, power-capped in "
           f"{100 * c['power_capped_share']:.0f}% of samples)" if c else "")

@@ -56,15 +56,21 @@ print("RESULT_JSON: " + json.dumps({"iteration_time_s": 0.3, "tokens_per_s_per_g
 """
 
 
-def test_a_bench_run_reports_its_gpus_clocks_over_its_timed_steps(tmp_path, monkeypatch):
+def _fake_smi_and_runner(tmp_path, monkeypatch, smi_text: str, runner_text: str) -> str:
+    """An nvidia-smi on PATH running smi_text, and the runner's path."""
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
-    smi.write_text(FAKE_SMI.format(python=sys.executable))
+    smi.write_text(smi_text.format(python=sys.executable))
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
     runner = tmp_path / "runner.py"
-    runner.write_text(textwrap.dedent(RUNNER))
+    runner.write_text(textwrap.dedent(runner_text))
     monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
-    result = launch.run("fake", 1, str(runner), ["--iters", "3"], str(tmp_path / "logs"), timeout=120,
+    return str(runner)
+
+
+def test_a_bench_run_reports_its_gpus_clocks_over_its_timed_steps(tmp_path, monkeypatch):
+    runner = _fake_smi_and_runner(tmp_path, monkeypatch, FAKE_SMI, RUNNER)
+    result = launch.run("fake", 1, runner, ["--iters", "3"], str(tmp_path / "logs"), timeout=120,
                         env={"CUDA_VISIBLE_DEVICES": "5", "OMP_NUM_THREADS": "1"})
     clocks = result["gpu_clocks"]
     assert clocks["samples"] >= 10, clocks  # 0.9 s of samples every 20 ms
@@ -79,3 +85,37 @@ def test_without_nvidia_smi_a_run_has_no_clocks(tmp_path, monkeypatch):
     result = launch.run("plain", 1, str(runner), ["--iters", "3"], str(tmp_path / "logs"), timeout=120,
                         env={"OMP_NUM_THREADS": "1"})
     assert result["tokens_per_s_per_gpu"] == 1.0 and result["gpu_clocks"] is None
+
+
+FAKE_SMI_TEARDOWN = """\
+#!{python}
+import datetime, os, sys, time
+if "-lms" not in " ".join(sys.argv[1:]):
+    print("0x0000000000000000")
+    sys.exit(0)
+while True:  # 1455 MHz at the power cap while the steps run, 1980 MHz idle once the teardown began
+    idle = os.path.exists(os.environ["FAKE_TEARDOWN"])
+    now = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    print(f"{{now}}, 0, {{1980 if idle else 1455}}, 699.50, {{'0x0' if idle else '0x0000000000000004'}}", flush=True)
+    time.sleep(0.02)
+"""
+
+RUNNER_TEARDOWN = """\
+import json, os, time
+time.sleep(1.0)  # three "timed steps" of 0.3 s
+end = time.time()
+open(os.environ["FAKE_TEARDOWN"], "w").close()
+time.sleep(1.5)  # a teardown longer than the timed steps, then the result
+print("RESULT_JSON: " + json.dumps({"iteration_time_s": 0.3, "tokens_per_s_per_gpu": 1.0, "timed_end_unix": end}),
+      flush=True)
+"""
+
+
+def test_a_run_that_reports_after_its_teardown_is_sampled_over_its_steps(tmp_path, monkeypatch):
+    runner = _fake_smi_and_runner(tmp_path, monkeypatch, FAKE_SMI_TEARDOWN, RUNNER_TEARDOWN)
+    monkeypatch.setenv("FAKE_TEARDOWN", str(tmp_path / "teardown"))
+    result = launch.run("titan-like", 1, runner, ["--iters", "3"], str(tmp_path / "logs"), timeout=120,
+                        env={"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "1"})
+    clocks = result["gpu_clocks"]
+    assert clocks["samples"] >= 10, clocks
+    assert (clocks["sm_mhz_mean"], clocks["power_capped_share"]) == (1455, 1.0), clocks
