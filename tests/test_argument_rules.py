@@ -70,6 +70,12 @@ def test_an_unknown_flag_is_one_line_not_the_usage(capsys, monkeypatch):
      "--lr-warmup-fraction and --lr-warmup-samples both set the warmup"),
     (["--recompute-granularity", "selective", "--recompute-method", "block"],
      "--recompute-method block applies to --recompute-granularity full only"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
+     "--recompute-num-layers 2 applies to --recompute-granularity full only"),
+    (["--recompute-granularity", "full"],
+     "--recompute-granularity full needs --recompute-method and --recompute-num-layers (Megatron refuses it"),
+    (["--recompute-granularity", "full", "--recompute-method", "block"],
+     "--recompute-granularity full needs --recompute-num-layers (Megatron refuses it"),
 ])
 def test_combinations_megatron_refuses_are_refused(argv, message):
     assert any(p.startswith(message) for p in _problems(argv)), _problems(argv)

@@ -57,7 +57,7 @@ BAD = [
     (["--attention-dropout", "1.0"], 1, r"--attention-dropout must be in \[0, 1\), got 1.0"),
     (["--hidden-dropout", "-0.1"], 1, r"--hidden-dropout must be in \[0, 1\), got -0.1"),
     (["--init-method-std", "0"], 1, r"--init-method-std must be > 0, got 0"),
-    (["--recompute-granularity", "full", "--recompute-num-layers", "0"], 1, r"--recompute-num-layers must be >= 1"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "0"], 1, r"--recompute-num-layers must be >= 1"),
     (["--vocab-size", "0"], 1, r"--vocab-size must be >= 1, got 0"),
     # training, optimizer, loss scaling
     (["--train-iters", "0"], 1, r"--train-iters must be >= 1, got 0"),

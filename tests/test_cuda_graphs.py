@@ -57,7 +57,8 @@ def test_dropout_is_held_where_generators_have_graph_safe_states_and_refused_by_
     (["--tensor-model-parallel-size", "2"], True),
     (["--fp8-format", "hybrid"], True),
     (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--cuda-graph-impl", "none"], False),
-    (["--fp8-format", "hybrid", "--recompute-granularity", "full"], False),
+    (["--fp8-format", "hybrid", "--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1"], False),
 ])
 def test_graphs_are_the_default_of_tensor_parallel_and_fp8_runs_on_gpus(monkeypatch, flags, graphs):
     """Where the eager step waits on the host's launches (TP, FP8: BENCHMARKS.md) and nothing blocks a graph."""

@@ -46,7 +46,8 @@ FP8 = {
 SGD = ["--optimizer", "sgd"]
 # (family, FP8 recipe, TP, PP, V, SP, extra flags); world size 8, DP = 8 / (TP * PP) = 2
 LAYOUTS = [
-    ("gpt2", "delayed", 2, 2, 1, True, SGD + ["--use-distributed-optimizer", "--recompute-granularity", "full"]),
+    ("gpt2", "delayed", 2, 2, 1, True, SGD + ["--use-distributed-optimizer", "--recompute-granularity", "full",
+                                              "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
     ("gpt2", "tensorwise", 2, 2, 1, True, SGD + ["--pipeline-schedule", "zb-h1", "--overlap-grad-reduce"]),
     ("llama", "rowwise", 2, 2, 2, True, SGD + ["--use-distributed-optimizer"]),
 ]

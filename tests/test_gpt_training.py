@@ -45,11 +45,13 @@ LAYOUTS = [
 # TP+SP, DP overlap, ZeRO-1, tied embeddings (gpt2; on one rank in the V), recompute.
 ZB_LAYOUTS = [
     ("gpt2", 2, 2, 1, True, ["--pipeline-schedule", "zb-h1", "--overlap-grad-reduce", "--use-distributed-optimizer"]),
-    ("gpt2", 1, 2, 2, False, ["--pipeline-schedule", "zb-v", "--overlap-grad-reduce", "--recompute-granularity", "full"]),
+    ("gpt2", 1, 2, 2, False, ["--pipeline-schedule", "zb-v", "--overlap-grad-reduce", "--recompute-granularity", "full",
+                              "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
     ("llama", 2, 2, 2, True, ["--pipeline-schedule", "dualpipev", "--use-distributed-optimizer"]),
     ("gpt2", 1, 2, 2, False, ["--pipeline-schedule", "auto"]),  # over two chunks: a V-shaped pick
     ("llama", 1, 4, 1, False, ["--pipeline-schedule", "zb-h2", "--recompute-granularity", "full",
-                               "--overlap-grad-reduce", "--pipeline-model-parallel-layout", "Ettt|tt|tt|tL"]),
+                               "--recompute-method", "uniform", "--recompute-num-layers", "1", "--overlap-grad-reduce",
+                               "--pipeline-model-parallel-layout", "Ettt|tt|tt|tL"]),
 ]
 
 # --compile (each layer through torch.compile, the TP linears eager) with TP+SP, PP, V, a zero-bubble
@@ -59,7 +61,8 @@ ZB_LAYOUTS = [
 # in seconds; test_compiled_layers_with_inductor runs Inductor's generated code on one process.
 _AOT = ["--compile", "--compile-backend", "aot_eager"]
 COMPILE_LAYOUTS = [
-    ("llama", 2, 1, 1, True, _AOT + ["--recompute-granularity", "full", "--overlap-grad-reduce",
+    ("llama", 2, 1, 1, True, _AOT + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                     "--recompute-num-layers", "1", "--overlap-grad-reduce",
                                      "--use-distributed-optimizer"]),
     ("gpt2", 1, 2, 2, False, _AOT + ["--pipeline-schedule", "zb-v", "--overlap-grad-reduce",
                                      "--use-distributed-optimizer"]),

@@ -112,3 +112,11 @@ def test_a_typo_among_pretrain_flags_is_still_refused():
 def test_fp8_is_noted_as_not_modelled(capsys):
     assert plan.main(PRETRAIN + ["--bf16", "--fp8-format", "hybrid"]) == 0
     assert "--fp8-format hybrid not modelled: the plan prices bf16 GEMMs" in capsys.readouterr().err
+
+
+def test_a_recompute_method_the_planner_does_not_price_is_noted(capsys):
+    full = ["--recompute-granularity", "full", "--recompute-method"]
+    assert plan.main(PRETRAIN + full + ["uniform", "--recompute-num-layers", "1"]) == 0
+    assert "recompute" not in capsys.readouterr().err  # every layer recomputed: what the plan prices
+    assert plan.main(PRETRAIN + full + ["block", "--recompute-num-layers", "2"]) == 0
+    assert "--recompute-method / --recompute-num-layers (full recompute is priced per layer)" in capsys.readouterr().err

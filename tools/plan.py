@@ -53,6 +53,8 @@ def _training_flags(rest: list[str], p: argparse.ArgumentParser) -> None:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     defaults = vars(training.parse_args([]))
     unmodelled = [f"--{k.replace('_', '-')}" for k in UNMODELLED if getattr(known, k) != defaults[k]]
+    if (known.recompute_method, known.recompute_num_layers) not in ((None, None), ("uniform", 1)):
+        unmodelled.append("--recompute-method / --recompute-num-layers (full recompute is priced per layer)")
     if unmodelled:
         print(f"note: the plan splits the layers its own way; {', '.join(unmodelled)} not modelled", file=sys.stderr)
     if known.fp8 is not None:

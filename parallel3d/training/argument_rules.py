@@ -115,6 +115,14 @@ def refused_combinations(args: argparse.Namespace) -> list[str]:
     if args.recompute_granularity == "selective" and args.recompute_method is not None:
         problems.append(f"--recompute-method {args.recompute_method} applies to --recompute-granularity full only; "
                         "selective recomputation has no method (Megatron refuses it): drop --recompute-method")
+    full = args.recompute_granularity == "full"
+    missing = [flag(n) for n in ("recompute_method", "recompute_num_layers") if full and getattr(args, n) is None]
+    if missing:
+        problems.append(f"--recompute-granularity full needs {' and '.join(missing)} (Megatron refuses it without): "
+                        "e.g. --recompute-method uniform --recompute-num-layers 1 recomputes every layer")
+    if args.recompute_granularity == "selective" and args.recompute_num_layers is not None:
+        problems.append(f"--recompute-num-layers {args.recompute_num_layers} applies to --recompute-granularity full "
+                        "only; selective recomputation takes no layer count (Megatron refuses it): drop it")
     if args.bf16 and args.fp16:
         problems.append("--bf16 and --fp16 are exclusive")
     if args.group_query_attention and args.num_query_groups is None:

@@ -394,8 +394,4 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     check_optimizer_and_schedule(args)
     if args.save_interval is None and args.save is not None:
         args.save_interval = args.train_iters
-    if args.recompute_granularity == "full" and args.recompute_method is None:
-        args.recompute_method = "uniform"
-    if args.recompute_granularity == "full" and args.recompute_num_layers is None:
-        args.recompute_num_layers = 1
     return args

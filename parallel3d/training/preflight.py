@@ -59,8 +59,8 @@ def _model_problem(args: argparse.Namespace, config: Any, capacity: float, what:
         per_sample = (est.activations + est.transient) / args.micro_batch_size
         fits = int((capacity - est.static) // per_sample)
         fix = (f"--micro-batch-size {fits} fits by the estimate" if fits >= 1 else
-               "not even --micro-batch-size 1 fits: shorten --seq-length, add --recompute-granularity full, or "
-               "use more model-parallel ranks")
+               "not even --micro-batch-size 1 fits: shorten --seq-length, add --recompute-granularity full "
+               "--recompute-method uniform --recompute-num-layers 1, or use more model-parallel ranks")
     return (f"this layout needs at least {est.peak / GIB:,.1f} GiB per process by the planner's estimate "
             f"({est.static / GIB:,.1f} GiB weights, gradients and optimizer state, {(est.peak - est.static) / GIB:,.1f}"
             f" GiB for one microbatch of --micro-batch-size {args.micro_batch_size}), more than the {what}: {fix}")
