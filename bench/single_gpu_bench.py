@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Optional
 
+from gpu_clocks import visible_gpus
 from launch import MEGATRON, OURS, PLAIN, TITAN, TITAN_WHEELS, iteration_time, run, tokens_per_gpu
 
 FP8_GLOBAL_BATCH = {"tiny": 4, "gpt-1.3b": 16, "llama-1b": 16, "llama-3b": 8}
@@ -151,7 +152,7 @@ def fp8_suite(a: argparse.Namespace) -> None:
     """Every preset's runs, one GPU per preset: with ``--gpus N`` N presets at a time, each on its own GPU
     (a preset's runs, and so every ratio of its rows, stay on one card)."""
     start = time.monotonic()
-    cards = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(a.gpus)))).split(",")
+    cards = visible_gpus(a.gpus, dict(os.environ))
     if a.gpus > len(cards):
         raise SystemExit(f"--gpus {a.gpus}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} leaves "
                          f"{len(cards)}; pass --gpus {len(cards)} or fewer")
