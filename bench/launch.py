@@ -72,7 +72,10 @@ def run(name: str, nproc: int, script: Optional[str], args: list[str], log_dir: 
     os.makedirs(log_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script] + args
     log = os.path.join(log_dir, f"{name}.log")
-    env = {**os.environ, **(env or {})}
+    # CUDA numbers the GPUs fastest first unless told otherwise, nvidia-smi by PCI bus: the same order on a
+    # node of one kind of card, not on a mixed one. PCI order makes CUDA_VISIBLE_DEVICES name, for the run
+    # and for the clock sampler alike, the card nvidia-smi reports.
+    env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", **os.environ, **(env or {})}
     result_line, result_at = None, 0.0  # the first RESULT_JSON line, and when it came
 
     def line(text: str) -> None:

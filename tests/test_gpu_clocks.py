@@ -37,20 +37,29 @@ def test_visible_gpus_follow_cuda_visible_devices():
 
 FAKE_SMI = """\
 #!{python}
-import datetime, sys, time
+import datetime, os, sys, time
 args = " ".join(sys.argv[1:])
 if "-lms" not in args:  # the query-name probe
     print("0x0000000000000000")
     sys.exit(0)
 assert "-i 5" in args, args  # the run's GPU, from CUDA_VISIBLE_DEVICES
+open(os.environ["FAKE_SMI_STARTED"], "w").close()
 while True:
     now = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
     print(f"{{now}}, 5, 1455, 699.50, 0x0000000000000004", flush=True)
     time.sleep(0.02)
 """
 
-RUNNER = """\
-import json, time
+# A runner's "timed steps" start once the sampler samples (a loaded machine may start it late).
+WAIT_FOR_SAMPLER = """\
+import json, os, time
+assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # CUDA's GPU numbers are nvidia-smi's
+deadline = time.time() + 60
+while not os.path.exists(os.environ["FAKE_SMI_STARTED"]) and time.time() < deadline:
+    time.sleep(0.01)
+"""
+
+RUNNER = WAIT_FOR_SAMPLER + """\
 time.sleep(1.0)  # three "timed steps" of 0.3 s, then the result
 print("RESULT_JSON: " + json.dumps({"iteration_time_s": 0.3, "tokens_per_s_per_gpu": 1.0}), flush=True)
 """
@@ -65,6 +74,7 @@ def _fake_smi_and_runner(tmp_path, monkeypatch, smi_text: str, runner_text: str)
     runner = tmp_path / "runner.py"
     runner.write_text(textwrap.dedent(runner_text))
     monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SMI_STARTED", str(tmp_path / "smi_started"))
     return str(runner)
 
 
@@ -80,7 +90,7 @@ def test_a_bench_run_reports_its_gpus_clocks_over_its_timed_steps(tmp_path, monk
 
 def test_without_nvidia_smi_a_run_has_no_clocks(tmp_path, monkeypatch):
     runner = tmp_path / "runner.py"
-    runner.write_text(textwrap.dedent(RUNNER).replace("time.sleep(1.0)", "pass"))
+    runner.write_text('import json\nprint("RESULT_JSON: " + json.dumps({"iteration_time_s": 0.3, "tokens_per_s_per_gpu": 1.0}))\n')
     monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: None)
     result = launch.run("plain", 1, str(runner), ["--iters", "3"], str(tmp_path / "logs"), timeout=120,
                         env={"OMP_NUM_THREADS": "1"})
@@ -93,6 +103,7 @@ import datetime, os, sys, time
 if "-lms" not in " ".join(sys.argv[1:]):
     print("0x0000000000000000")
     sys.exit(0)
+open(os.environ["FAKE_SMI_STARTED"], "w").close()
 while True:  # 1455 MHz at the power cap while the steps run, 1980 MHz idle once the teardown began
     idle = os.path.exists(os.environ["FAKE_TEARDOWN"])
     now = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
@@ -100,10 +111,10 @@ while True:  # 1455 MHz at the power cap while the steps run, 1980 MHz idle once
     time.sleep(0.02)
 """
 
-RUNNER_TEARDOWN = """\
-import json, os, time
+RUNNER_TEARDOWN = WAIT_FOR_SAMPLER + """\
 time.sleep(1.0)  # three "timed steps" of 0.3 s
 end = time.time()
+time.sleep(0.05)  # the samples' times are whole milliseconds: none after the steps can read as before their end
 open(os.environ["FAKE_TEARDOWN"], "w").close()
 time.sleep(1.5)  # a teardown longer than the timed steps, then the result
 print("RESULT_JSON: " + json.dumps({"iteration_time_s": 0.3, "tokens_per_s_per_gpu": 1.0, "timed_end_unix": end}),
