@@ -112,17 +112,16 @@ def refused_combinations(args: argparse.Namespace) -> list[str]:
     if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
         given = "--lr-warmup-iters" if args.lr_warmup_iters else "--lr-warmup-samples"
         problems.append(f"--lr-warmup-fraction and {given} both set the warmup: give one (Megatron refuses both)")
-    if args.recompute_granularity == "selective" and args.recompute_method is not None:
-        problems.append(f"--recompute-method {args.recompute_method} applies to --recompute-granularity full only; "
-                        "selective recomputation has no method (Megatron refuses it): drop --recompute-method")
-    full = args.recompute_granularity == "full"
-    missing = [flag(n) for n in ("recompute_method", "recompute_num_layers") if full and getattr(args, n) is None]
+    # Megatron-Core's TransformerConfig: full recomputation needs both, selective takes neither.
+    full_only = ("recompute_method", "recompute_num_layers")
+    if args.recompute_granularity == "selective":
+        problems += [f"{flag(n)} {getattr(args, n)} applies to --recompute-granularity full only; selective "
+                     f"recomputation takes no method or layer count (Megatron refuses it): drop {flag(n)}"
+                     for n in full_only if getattr(args, n) is not None]
+    missing = [flag(n) for n in full_only if args.recompute_granularity == "full" and getattr(args, n) is None]
     if missing:
         problems.append(f"--recompute-granularity full needs {' and '.join(missing)} (Megatron refuses it without): "
                         "e.g. --recompute-method uniform --recompute-num-layers 1 recomputes every layer")
-    if args.recompute_granularity == "selective" and args.recompute_num_layers is not None:
-        problems.append(f"--recompute-num-layers {args.recompute_num_layers} applies to --recompute-granularity full "
-                        "only; selective recomputation takes no layer count (Megatron refuses it): drop it")
     if args.bf16 and args.fp16:
         problems.append("--bf16 and --fp16 are exclusive")
     if args.group_query_attention and args.num_query_groups is None:
