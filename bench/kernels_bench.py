@@ -291,6 +291,23 @@ def cases(quick: bool, tiny: bool):
         out.append(Case("qkv split + rope (GQA)", f"[{s}, {b}, {ng}, {(qpg + 2) * d}]", 2 * (qpg + 1) * n * ESZ,
                         2 * (qpg + 2) * n * ESZ, impls, make_qkv, [0]))
 
+    # linear_qkv's output split without RoPE (GPT-1.3B: 16 heads of 128, micro-batch 4 x seq 2048) and its bias's
+    # gradient: backward reads the three gradients and writes one tensor. "eager" is the model's path before
+    # split_qkv (torch.split's concatenation, then the linear's sum over the tokens). Forward: the bias's add.
+    s, b, ng, d = (16, 2, 2, 16) if tiny else (2048, 4, 16, 128)
+    n = s * b * ng * d
+
+    def split_biased(m, bias, ng=ng, d=d):
+        q, k, v = torch.split(m + bias.view(ng, -1), [d, d, d], dim=3)
+        return q, k, v
+
+    out.append(Case("qkv split + bias grad", f"[{s}, {b}, {ng}, {3 * d}]", 6 * n * ESZ, 6 * n * ESZ,
+                    # the same forward each (the bias added here, by linear_qkv's GEMM in the model)
+                    {"ours": lambda m, bias, ng=ng, d=d: fused.split_qkv(m + bias.detach().view(ng, -1), 1, d, bias),
+                     "eager": split_biased,
+                     "compile": compiled(split_biased)},
+                    lambda s=s, b=b, ng=ng, d=d: [rn(s, b, ng, 3 * d), rn(ng * 3 * d)], [0, 1]))
+
     for bnp, s in ((((2, 64) if tiny else (32, 4096)),) if quick else ((64, 2048), (32, 4096), (8, 8192))):
         n = bnp * s * s
         sc = 0.088

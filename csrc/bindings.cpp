@@ -39,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("col"), py::arg("amax_out") = py::none());
 
   m.def("column_sum", &p3d::column_sum, "x summed over all but its last dimension (fp32 accumulation)", py::arg("x"));
+  m.def("qkv_grad_merge", &p3d::qkv_grad_merge, "q/k/v gradients into linear_qkv's layout (+ its bias gradient)",
+        py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("with_sum"));
   m.def("bias_gelu_fwd", &p3d::bias_gelu_fwd, py::arg("x"), py::arg("bias"), py::arg("approximate_tanh"));
   m.def("bias_gelu_bwd", &p3d::bias_gelu_bwd, py::arg("dy"), py::arg("x"), py::arg("bias"),
         py::arg("approximate_tanh"));

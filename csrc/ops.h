@@ -28,6 +28,11 @@ void adamw_master_step(const std::vector<at::Tensor>& params, const std::vector<
 // reduce_partials.cu: x summed over every dimension but the last, accumulated in fp32, in x's dtype
 // (a bias gradient)
 at::Tensor column_sum(const at::Tensor& x);
+// dq [s, b, groups, q heads a group, d], dk and dv [s, b, groups, d] (any strides, last dim contiguous) ->
+// {their concatenation [s, b, groups, (q heads a group + 2) d] (linear_qkv's output layout), and with_sum its
+// column sum (linear_qkv's bias gradient)}
+std::vector<at::Tensor> qkv_grad_merge(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                                       bool with_sum);
 
 // bias_gelu.cu
 at::Tensor bias_gelu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,

@@ -1,7 +1,9 @@
 // Stage 2 of the two-stage column reductions (bias, LayerNorm/RMSNorm weight
 // and bias gradients): out[c] = sum over p of partials[p, c]. Also column_sum,
 // both stages for a gradient that is only the column sum (a linear's bias, the
-// bias of bias-dropout-add without dropout).
+// bias of bias-dropout-add without dropout), and qkv_grad_merge, which writes
+// the q, k and v gradients into linear_qkv's layout and sums that bias's
+// gradient in the same pass (the column sum of what it writes).
 //
 // Launch geometry: block (32, 32), one block per 32 columns.  The 32 lanes read
 // 32 consecutive columns of a partial row (coalesced); the 32 warps stride over
@@ -10,6 +12,7 @@
 // writes at most a few hundred partial rows, so this kernel is a few percent of
 // the op's time at most.
 #include "common.cuh"
+#include "ops.h"
 
 namespace p3d {
 namespace {
@@ -54,6 +57,62 @@ __global__ void column_sum_kernel(const T* __restrict__ x, float* __restrict__ p
   write_block_partial<VEC>(acc, sm, part + blockIdx.y * cols, cols);
 }
 
+
+// Element strides over [s, b, group, head] of one of the three gradients (k's and v's: one head a group).
+struct QkvSrc {
+  int64_t ss, sb, sg, sh;
+};
+
+struct QkvShape {
+  int64_t b, rows, qpg, d, cols;  // rows = s * b; cols = groups * (qpg + 2) * d
+  QkvSrc q, k, v;
+};
+
+// Block (32, 8) over (column packs, rows), as column_sum: a thread finds its columns' source once (which of
+// q/k/v, group, head, feature) and copies them down its rows, adding them up when SUM.
+template <typename T, int VEC, bool SUM>
+__global__ void qkv_grad_merge_kernel(const T* __restrict__ dq, const T* __restrict__ dk,
+                                      const T* __restrict__ dv, QkvShape sh, T* __restrict__ out,
+                                      float* __restrict__ part) {
+  __shared__ float sm[SUM ? 8 * 32 * VEC : 1];
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * VEC;
+  float acc[VEC];
+#pragma unroll
+  for (int v = 0; v < VEC; ++v) acc[v] = 0.f;
+  if (col < sh.cols) {  // inactive threads still join the block reduction
+    const int64_t per_group = (sh.qpg + 2) * sh.d, g = col / per_group, w = col - g * per_group;
+    const int64_t h = w / sh.d, e = w - h * sh.d;
+    const T* src;
+    QkvSrc st;
+    if (h < sh.qpg) {
+      st = sh.q;
+      src = dq + g * st.sg + h * st.sh + e;
+    } else {
+      st = h == sh.qpg ? sh.k : sh.v;
+      src = (h == sh.qpg ? dk : dv) + g * st.sg + e;
+    }
+    // row r = si * b + bi, stepped without a division per row (a 64-bit one is ~100 instructions)
+    const int64_t step = static_cast<int64_t>(gridDim.y) * 8, step_s = step / sh.b, step_b = step - step_s * sh.b;
+    int64_t r = static_cast<int64_t>(blockIdx.y) * 8 + threadIdx.y, si = r / sh.b, bi = r - si * sh.b;
+#pragma unroll 4
+    for (; r < sh.rows; r += step) {
+      const Pack<T, VEC> p = load_stream<T, VEC>(src + si * st.ss + bi * st.sb);
+      store_pack<T, VEC>(out + r * sh.cols + col, p);
+      if (SUM) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) acc[v] += static_cast<float>(p.v[v]);
+      }
+      si += step_s;
+      bi += step_b;
+      if (bi >= sh.b) {
+        bi -= sh.b;
+        ++si;
+      }
+    }
+  }
+  if (SUM) write_block_partial<VEC>(acc, sm, part + blockIdx.y * sh.cols, sh.cols);
+}
+
 }  // namespace
 
 at::Tensor column_sum(const at::Tensor& x) {
@@ -72,6 +131,42 @@ at::Tensor column_sum(const at::Tensor& x) {
     });
   });
   return sum_partials(part, x.scalar_type());
+}
+
+std::vector<at::Tensor> qkv_grad_merge(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                                       bool with_sum) {
+  TORCH_CHECK(dq.is_cuda() && dq.dim() == 5 && dk.dim() == 4 && dv.dim() == 4,
+              "qkv_grad_merge: expected CUDA dq [s, b, groups, q heads a group, d] and dk, dv [s, b, groups, d], got ",
+              dq.sizes(), ", ", dk.sizes(), ", ", dv.sizes());
+  const int64_t s = dq.size(0), b = dq.size(1), ng = dq.size(2), qpg = dq.size(3), d = dq.size(4);
+  for (const at::Tensor* t : {&dq, &dk, &dv}) {
+    TORCH_CHECK(t->size(0) == s && t->size(1) == b && t->size(2) == ng && t->size(-1) == d &&
+                    t->stride(-1) == 1 && t->scalar_type() == dq.scalar_type() && t->device() == dq.device(),
+                "qkv_grad_merge: dq, dk and dv must share s, b, groups, d, dtype and device, with a contiguous "
+                "last dim; got sizes ", t->sizes(), " strides ", t->strides());
+  }
+  c10::cuda::CUDAGuard guard(dq.device());
+  const int64_t rows = s * b, cols = ng * (qpg + 2) * d;
+  at::Tensor out = new_output({s, b, ng, (qpg + 2) * d}, dq.options()), part;
+  if (rows == 0 || cols == 0) return dx_and_dbias(out, with_sum, part, cols);
+  const QkvShape sh{b, rows, qpg, d, cols, {dq.stride(0), dq.stride(1), dq.stride(2), dq.stride(3)},
+                    {dk.stride(0), dk.stride(1), dk.stride(2), 0}, {dv.stride(0), dv.stride(1), dv.stride(2), 0}};
+  P3D_DISPATCH_FLOATING(dq.scalar_type(), "qkv_grad_merge", [&] {
+    using T = scalar_t;
+    constexpr int V = vec16<T>();
+    // a pack never straddles two heads or two rows of a source
+    bool vec = use_vec<T>(d, {dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), out.data_ptr()});
+    for (const at::Tensor* t : {&dq, &dk, &dv})
+      for (int64_t j = 0; j + 1 < t->dim(); ++j) vec = vec && t->stride(j) % V == 0;
+    dispatch_vec<T>(vec, with_sum, [&](auto vec_tag, auto sum_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      constexpr bool SUM = decltype(sum_tag)::value;
+      const RowColGrid g = row_col_grid(rows, cols / VEC);
+      launch_kernel(qkv_grad_merge_kernel<T, VEC, SUM>, g.grid, g.block, 0, dq.data_ptr<T>(), dk.data_ptr<T>(),
+                    dv.data_ptr<T>(), sh, out.data_ptr<T>(), new_partials(part, SUM, g, cols, out));
+    });
+  });
+  return dx_and_dbias(out, with_sum, part, cols);
 }
 
 at::Tensor sum_partials(const at::Tensor& partials, at::ScalarType dtype) {

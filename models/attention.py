@@ -14,6 +14,7 @@ from parallel3d.fused import (
     apply_rotary_pos_emb_reference,
     scaled_upper_triang_masked_softmax,
     scaled_upper_triang_masked_softmax_reference,
+    split_qkv,
     split_qkv_rope,
 )
 from parallel3d.tensor_parallel import (
@@ -150,15 +151,18 @@ class SelfAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 rotary_pos_emb: Optional[torch.Tensor], inference_params: Optional[InferenceParams] = None):
         cfg = self.config
-        mixed, _ = self.linear_qkv(hidden_states)  # [s, b, ng/tp * (np/ng + 2) * d]
+        fuse_rope = rotary_pos_emb is not None and cfg.apply_rope_fusion
+        # a bias's gradient summed in the pass that merges dq, dk and dv (fused.split_qkv), not by the linear
+        split_bias = self.linear_qkv.bias if not fuse_rope else None
+        # [s, b, ng/tp * (np/ng + 2) * d]
+        mixed, _ = self.linear_qkv(hidden_states, defer_bias_grad=split_bias is not None)
         s, b = mixed.shape[:2]
         q_per_group, d = self.heads_per_rank // self.groups_per_rank, self.kv_channels
         mixed = mixed.view(s, b, self.groups_per_rank, (q_per_group + 2) * d)
-        if rotary_pos_emb is not None and cfg.apply_rope_fusion:
+        if fuse_rope:
             q, k, v = split_qkv_rope(mixed, q_per_group, d, rotary_pos_emb)
         else:
-            q, k, v = torch.split(mixed, [q_per_group * d, d, d], dim=3)
-            q = q.reshape(s, b, self.heads_per_rank, d)
+            q, k, v = split_qkv(mixed, q_per_group, d, split_bias)
             if rotary_pos_emb is not None:
                 q, k = (apply_rotary_pos_emb_reference(t, rotary_pos_emb, in_fp32=False) for t in (q, k))
         if inference_params is not None:

@@ -236,3 +236,78 @@ def test_split_qkv_rope_through_the_kernels_contract_cpu(monkeypatch, dtype):
 @pytest.mark.parametrize("per_sample", [False, True])
 def test_split_qkv_rope_gpu(poisoned, dtype, per_sample):
     _check_split_qkv_rope("cuda", dtype, per_sample)
+
+
+# ---- linear_qkv's output split, its bias's gradient summed in the merge (split_qkv) ------------
+
+def _check_split_qkv(device, dtype, qpg=3, d=16, bias_grad=True, strided=True):
+    """split_qkv against torch.split of (output + bias) in fp64: the views, the output's gradient merged from
+    q/k/v gradients (strided as SDPA's [b, n, s, d] permuted, or contiguous) and the bias's gradient."""
+    s, b, ng = 9, 2, 2
+    raw = randn(s, b, ng, (qpg + 2) * d, dtype=dtype, device=device)
+    bias = randn(ng * (qpg + 2) * d, dtype=dtype, device=device)
+    if strided:
+        grads = [randn(b, n, s, d, dtype=dtype, device=device).permute(2, 0, 1, 3) for n in (ng * qpg, ng, ng)]
+    else:
+        grads = [randn(s, b, n, d, dtype=dtype, device=device) for n in (ng * qpg, ng, ng)]
+
+    got_raw, got_bias = raw.clone().requires_grad_(), bias.clone().requires_grad_(bias_grad)
+    got = fused.split_qkv(got_raw + got_bias.detach().view(ng, -1), qpg, d, got_bias)
+    torch.autograd.backward(got, grads)
+    ref_raw, ref_bias = raw.double().requires_grad_(), bias.double().requires_grad_()
+    q, k, v = torch.split(ref_raw + ref_bias.view(ng, -1), [qpg * d, d, d], dim=3)
+    want = (q.reshape(s, b, ng * qpg, d), k, v)
+    torch.autograd.backward(want, [g.double() for g in grads])
+    for name, x, y in zip("qkv", got, want):
+        assert x.shape == y.shape and rel_err(x, y) <= TOL[dtype], name
+    assert torch.equal(got_raw.grad, ref_raw.grad.to(dtype))  # a copy: exact
+    if bias_grad:
+        assert got_bias.grad.dtype == dtype and rel_err(got_bias.grad, ref_bias.grad) <= TOL[dtype]
+    else:
+        assert got_bias.grad is None
+    return got
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("qpg", [1, 3])
+def test_split_qkv_cpu(dtype, qpg):
+    _check_split_qkv("cpu", dtype, qpg)
+
+
+def test_split_qkv_without_bias_is_torch_split_cpu():
+    mixed = randn(5, 2, 2, 3 * 8, dtype=torch.float32, device="cpu")
+    q, k, v = fused.split_qkv(mixed, 1, 8)
+    assert q._base is mixed and k._base is mixed and v._base is mixed  # views, no autograd function
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+def test_split_qkv_through_the_kernels_contract_cpu(monkeypatch, dtype):
+    """The kernel's path with the kernel emulated: dq as [s, b, groups, q heads a group, d], dk and dv as
+    [s, b, groups, d], one launch that also sums the bias's gradient (the GPU cases check the kernel)."""
+    from types import SimpleNamespace
+
+    from parallel3d.fused import _ext
+
+    calls = []
+
+    def merge(dq, dk, dv, with_sum):
+        calls.append((dq.dim(), dk.dim(), dv.dim(), with_sum))
+        out = torch.cat([dq.flatten(3), dk, dv], dim=3)
+        return [out, out.flatten(0, 1).sum((0,), dtype=torch.float32).flatten().to(out.dtype)]
+
+    monkeypatch.setattr(_ext, "use_kernel", lambda *tensors: True)
+    monkeypatch.setattr(_ext, "get_ext", lambda: SimpleNamespace(qkv_grad_merge=merge))
+    _check_split_qkv("cpu", dtype)
+    assert calls == [(5, 4, 4, True)]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qpg,d,strided", [(1, 16, True), (3, 16, True), (1, 64, False), (2, 6, True)])
+def test_split_qkv_gpu(poisoned, dtype, qpg, d, strided):
+    _check_split_qkv("cuda", dtype, qpg, d, strided=strided)
+
+
+@gpu
+def test_split_qkv_frozen_bias_gpu(poisoned):
+    _check_split_qkv("cuda", torch.bfloat16, bias_grad=False)

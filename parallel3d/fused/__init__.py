@@ -26,7 +26,7 @@ from parallel3d.fused.grad_accum import wgrad_accumulate, wgrad_accumulate_fp8, 
 from parallel3d.fused.layer_norm import layer_norm, layer_norm_reference, layer_norm_with_residual
 from parallel3d.fused.rms_norm import rms_norm, rms_norm_reference, rms_norm_with_residual
 from parallel3d.fused.rope import (apply_rotary_pos_emb, apply_rotary_pos_emb_qk, apply_rotary_pos_emb_reference,
-                                  split_qkv_rope)
+                                  split_qkv, split_qkv_rope)
 from parallel3d.fused.softmax import scaled_upper_triang_masked_softmax, scaled_upper_triang_masked_softmax_reference
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "scaled_upper_triang_masked_softmax",
     "scaled_upper_triang_masked_softmax_reference",
     "set_fusion_enabled",
+    "split_qkv",
     "split_qkv_rope",
     "wgrad_accumulate",
     "wgrad_accumulate_fp8",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from parallel3d.fused import _ext
+from parallel3d.fused.bias_grad import bias_grad_reference
 
 _LAYOUTS = ("sbhd", "bhsd")
 
@@ -183,6 +184,47 @@ class _QKVRoPEFunction(torch.autograd.Function):
         _ext.get_ext().rope_apply([dq.unflatten(2, (ng, qpg)), dk, dv], cos, sin,
                                   [dq_out.unflatten(3, (qpg, d)), dk_out, dv_out], True, True)
         return dmixed, None, None, None, None
+
+
+class _SplitQKVFunction(torch.autograd.Function):
+    """torch.split of linear_qkv's output, and the gradient of linear_qkv's bias: the linear adds the bias in its
+    GEMM but leaves this gradient here (``linear_qkv(x, defer_bias_grad=True)``), where one kernel
+    writes dq, dk and dv into the [s, b, ng, (qpg + 2) d] gradient and sums its columns in the same pass.
+    torch.split's backward would concatenate them and the linear read the result again for the sum."""
+
+    @staticmethod
+    def forward(ctx, mixed: torch.Tensor, bias: torch.Tensor, qpg: int, d: int):
+        ctx.shape, ctx.qpg, ctx.d = mixed.shape[:3], qpg, d
+        return split_qkv(mixed, qpg, d)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        (s, b, ng), qpg, d = ctx.shape, ctx.qpg, ctx.d
+        like = next(t for t in (dq, dk, dv) if t is not None)
+        # an unused output's gradient is zero (never so in attention, but autograd allows it)
+        dq = like.new_zeros(s, b, ng * qpg, d) if dq is None else dq
+        dk = like.new_zeros(s, b, ng, d) if dk is None else dk
+        dv = like.new_zeros(s, b, ng, d) if dv is None else dv
+        want_sum = ctx.needs_input_grad[1]
+        if _ext.use_kernel(dq, dk, dv):
+            out = _ext.get_ext().qkv_grad_merge(_last_dim_contiguous(dq).unflatten(2, (ng, qpg)),
+                                                _last_dim_contiguous(dk), _last_dim_contiguous(dv), want_sum)
+            return out[0], (out[1] if want_sum else None), None, None
+        dmixed = torch.cat([dq.reshape(s, b, ng, qpg * d), dk, dv], dim=3)
+        return dmixed, (bias_grad_reference(dmixed.flatten(2)) if want_sum else None), None, None
+
+
+def split_qkv(mixed: torch.Tensor, qpg: int, d: int, bias: torch.Tensor | None = None):
+    """linear_qkv's output [s, b, ng, (qpg + 2) d] (Megatron's layout: each group's qpg query heads, then its
+    key and value) -> (q [s, b, ng * qpg, d], k [s, b, ng, d], v [s, b, ng, d]), as torch.split and reshape.
+    ``bias``: linear_qkv's bias, already added to ``mixed`` by a linear called with ``defer_bias_grad=True``;
+    its gradient (the column sum of mixed's) comes from here. None: no bias, or the linear computes its own;
+    torch.split's views, then."""
+    if bias is not None:
+        return _SplitQKVFunction.apply(mixed, bias, qpg, d)
+    s, b, ng, _ = mixed.shape
+    q, k, v = torch.split(mixed, [qpg * d, d, d], dim=3)
+    return q.reshape(s, b, ng * qpg, d), k, v
 
 
 def split_qkv_rope(mixed: torch.Tensor, qpg: int, d: int, freqs: torch.Tensor):

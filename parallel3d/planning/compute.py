@@ -228,9 +228,10 @@ def _layer_elementwise(model: ModelSpec, layout: Layout, forward: bool) -> float
     n += tokens * (2 * fc1 + ffn)  # activation backward: read dy and x, write dx (and the fc1 bias gradient
     # from the same pass: the fused kernel's partial sums in registers)
     n += tokens * q * 2  # the attention output's gradient made contiguous (as forward: not under cuDNN's SDPA)
-    n += tokens * qkv * 2  # dq, dk, dv into linear_qkv's [s, b, qkv] gradient: the split's backward (a
-    # concatenation), or with RoPE fused.split_qkv_rope's backward, which rotates dq and dk in the same pass
-    n += tokens * qkv if bias else 0  # linear_qkv's bias gradient: grad_output.sum(0)
+    n += tokens * qkv * 2  # dq, dk, dv into linear_qkv's [s, b, qkv] gradient: fused.split_qkv's backward (a
+    # concatenation that also sums linear_qkv's bias gradient), or with RoPE fused.split_qkv_rope's backward,
+    # which rotates dq and dk in the same pass; after that one, linear_qkv sums its bias's gradient (one read)
+    n += tokens * qkv if bias and rope else 0
     return n
 
 

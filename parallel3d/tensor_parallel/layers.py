@@ -202,7 +202,9 @@ class ColumnParallelLinear(_ParallelLinear):
                                 and not disable_grad_reduce)
 
     @eager  # see _ParallelLinear
-    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None, *, defer_bias_grad: bool = False):
+        """``defer_bias_grad`` (ours): the bias is added in the GEMM as usual, but its gradient is left to the
+        caller, which computes it from the output's gradient in a pass it makes anyway (fused.split_qkv)."""
         if weight is None:
             if self.weight is None:
                 raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs a weight in forward")
@@ -214,6 +216,8 @@ class ColumnParallelLinear(_ParallelLinear):
                     f"{(self.output_size_per_partition, self.input_size)}"
                 )
         bias = self.bias if not self.skip_bias_add else None
+        if defer_bias_grad and bias is not None:
+            bias = bias.detach()
         out = linear_with_grad_accumulation_and_async_allreduce(
             x, weight, bias, self.gradient_accumulation_fusion, self.allreduce_dgrad,
             self.sequence_parallel, self.tp_group, self.fp8_scaling,

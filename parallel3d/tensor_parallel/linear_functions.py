@@ -295,7 +295,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             gemm = functools.partial(ctx.fp8.wgrad, saved=fp8_saved)
         grad_weight = weight_gradient(weight, None if total_x is None else _2d(total_x), grad_output_2d,
                                       ctx.gradient_accumulation_fusion, gemm)
-        grad_bias = bias_grad(grad_output_2d) if ctx.use_bias else None
+        grad_bias = bias_grad(grad_output_2d) if ctx.use_bias and ctx.needs_input_grad[2] else None
 
         if handle is not None:
             with tp_collective("reduce of the input gradient", group):
