@@ -226,6 +226,43 @@ def test_the_fused_rope_path_matches_the_unfused_one(monkeypatch, family, overri
     assert launches == [(False,)] * layers + [(True, True)] * layers  # one launch a layer each way
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["reference", "kernel_contract"])
+def test_linear_qkv_bias_gradient_comes_from_the_split(monkeypatch, kernel):
+    """GPT-2 (biases, no RoPE): linear_qkv adds its bias but leaves the bias's gradient to fused.split_qkv, whose
+    backward sums it while merging dq, dk and dv (with `kernel`, its GPU path, the kernel emulated by its
+    contract; tests/gpu runs the kernel itself). In every layer it must be the column sum of linear_qkv's output
+    gradient, and the linear must not add a second one."""
+    from types import SimpleNamespace
+
+    from parallel3d.fused import rope
+
+    cfg = _config("gpt2")
+    ids, pos, labels, w = _data(cfg)
+    model = GPTModel(cfg)
+    outputs = []
+
+    def keep(module, args, out):
+        out[0].retain_grad()
+        outputs.append(out[0])
+
+    for layer in model.decoder.layers:
+        layer.self_attention.linear_qkv.register_forward_hook(keep)
+    launches = []
+    if kernel:
+        def merge(dq, dk, dv, with_sum):
+            launches.append(with_sum)
+            out = torch.cat([dq.flatten(3), dk, dv], dim=3)
+            return [out, out.flatten(2).sum((0, 1))]
+
+        # rope.py's view of the extension only: the model's other ops keep their CPU paths
+        monkeypatch.setattr(rope, "_ext", SimpleNamespace(use_kernel=lambda *tensors: True,
+                                                          get_ext=lambda: SimpleNamespace(qkv_grad_merge=merge)))
+    (model(ids, pos, labels=labels) * w).sum().backward()
+    assert len(outputs) == cfg.num_layers and launches == ([True] * cfg.num_layers if kernel else [])
+    for i, (layer, out) in enumerate(zip(model.decoder.layers, outputs)):
+        _close(layer.self_attention.linear_qkv.bias.grad, out.grad.sum((0, 1)), f"layer {i} linear_qkv.bias.grad")
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_recompute_reproduces_loss_and_grads_with_dropout(family):
     cfg_kw = dict(num_layers=3, hidden_dropout=0.2, attention_dropout=0.2)
