@@ -57,7 +57,6 @@ __global__ void column_sum_kernel(const T* __restrict__ x, float* __restrict__ p
   write_block_partial<VEC>(acc, sm, part + blockIdx.y * cols, cols);
 }
 
-
 // Element strides over [s, b, group, head] of one of the three gradients (k's and v's: one head a group).
 struct QkvSrc {
   int64_t ss, sb, sg, sh;

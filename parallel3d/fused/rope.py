@@ -174,13 +174,11 @@ class _QKVRoPEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
-        (s, b, ng, _), qpg, d = ctx.shape, ctx.qpg, ctx.d
+        ng, qpg, d = ctx.shape[2], ctx.qpg, ctx.d
         dmixed = torch.empty(ctx.shape, dtype=ctx.dtype, device=cos.device)
         dq_out, dk_out, dv_out = torch.split(dmixed, [qpg * d, d, d], dim=3)
-        # an unused output's gradient is zero (never so in attention, but autograd allows it)
-        dq = dmixed.new_zeros(s, b, ng * qpg, d) if dq is None else _last_dim_contiguous(dq)
-        dk = dmixed.new_zeros(s, b, ng, d) if dk is None else _last_dim_contiguous(dk)
-        dv = dmixed.new_zeros(s, b, ng, d) if dv is None else _last_dim_contiguous(dv)
+        # an unused output's gradient comes as zeros (autograd materializes it), never None
+        dq, dk, dv = (_last_dim_contiguous(t) for t in (dq, dk, dv))
         _ext.get_ext().rope_apply([dq.unflatten(2, (ng, qpg)), dk, dv], cos, sin,
                                   [dq_out.unflatten(3, (qpg, d)), dk_out, dv_out], True, True)
         return dmixed, None, None, None, None
@@ -200,15 +198,10 @@ class _SplitQKVFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk, dv):
         (s, b, ng), qpg, d = ctx.shape, ctx.qpg, ctx.d
-        like = next(t for t in (dq, dk, dv) if t is not None)
-        # an unused output's gradient is zero (never so in attention, but autograd allows it)
-        dq = like.new_zeros(s, b, ng * qpg, d) if dq is None else dq
-        dk = like.new_zeros(s, b, ng, d) if dk is None else dk
-        dv = like.new_zeros(s, b, ng, d) if dv is None else dv
         want_sum = ctx.needs_input_grad[1]
-        if _ext.use_kernel(dq, dk, dv):
-            out = _ext.get_ext().qkv_grad_merge(_last_dim_contiguous(dq).unflatten(2, (ng, qpg)),
-                                                _last_dim_contiguous(dk), _last_dim_contiguous(dv), want_sum)
+        if _ext.use_kernel(dq, dk, dv):  # an unused output's gradient comes as zeros, never None
+            dq, dk, dv = (_last_dim_contiguous(t) for t in (dq, dk, dv))
+            out = _ext.get_ext().qkv_grad_merge(dq.unflatten(2, (ng, qpg)), dk, dv, want_sum)
             return out[0], (out[1] if want_sum else None), None, None
         dmixed = torch.cat([dq.reshape(s, b, ng, qpg * d), dk, dv], dim=3)
         return dmixed, (bias_grad_reference(dmixed.flatten(2)) if want_sum else None), None, None
