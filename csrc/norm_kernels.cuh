@@ -19,8 +19,8 @@
 // long rows).  At the end the block's row groups are summed (in a fixed order)
 // into one partial row per block, and sum_partials() reduces the partials
 // (stage 2 of a two-stage, deterministic reduction; dw and db in one pass).
-// Each thread loads its next row before it reduces the current one, so those
-// loads overlap the block-wide reduction.
+// Each thread loads its next row (x, dy and the row's statistics) before it
+// reduces the current one, so those loads overlap the block-wide reduction.
 #pragma once
 
 #include "common.cuh"
@@ -33,6 +33,9 @@ namespace p3d {
 // accumulators (bf16 on H100, hidden 2048..8192; BENCHMARKS.md).
 constexpr int kNormFwdMinPacks = 4;
 constexpr int kNormBwdMinPacks = 1;
+// Backward block size: two rows of 256 threads a block (hidden 2048 in bf16) rather than one halves the
+// partial rows that stage 2 reads back, at the same rows in flight per SM (BENCHMARKS.md).
+constexpr int kNormBwdBlockThreads = 512;
 
 template <typename T, int VEC, int P, bool RMS>
 __global__ void __launch_bounds__(kMaxRowBlockThreads)
@@ -164,14 +167,17 @@ __global__ void __launch_bounds__(kMaxRowBlockThreads)
   RowFrag<T, VEC, P> xn, gn;  // the next row's x and dy
   xn.load(x + r * h, nvec, r < rows);
   gn.load(dy + r * h, nvec, r < rows);
+  float mean_n = (RMS || r >= rows) ? 0.f : mean_in[r], rstd_n = r < rows ? rstd_in[r] : 0.f;
   // The loop bound is the same for the whole block: every thread reaches every barrier.
   for (int64_t r0 = blockIdx.x * R; r0 < rows; r0 += stride, r += stride) {
     const bool valid = r < rows;
     const RowFrag<T, VEC, P> xf = xn, gf = gn;
-    xn.load(x + (r + stride) * h, nvec, r + stride < rows);
-    gn.load(dy + (r + stride) * h, nvec, r + stride < rows);
-    const float mean = (RMS || !valid) ? 0.f : mean_in[r];
-    const float rstd = valid ? rstd_in[r] : 0.f;
+    const float mean = mean_n, rstd = rstd_n;
+    const int64_t rn = r + stride;
+    xn.load(x + rn * h, nvec, rn < rows);
+    gn.load(dy + rn * h, nvec, rn < rows);
+    mean_n = (RMS || rn >= rows) ? 0.f : mean_in[rn];
+    rstd_n = rn < rows ? rstd_in[rn] : 0.f;
     // Padding and invalid rows hold dy = 0 and add nothing below.
     float s_g = 0.f, s_gx = 0.f;  // sum(dy * w), sum(dy * w * xhat)
 #pragma unroll
@@ -310,7 +316,7 @@ std::vector<at::Tensor> norm_bwd(const at::Tensor& dy, const at::Tensor& x, cons
     auto launch = [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       const RowGroups g =
-          row_groups(h / VEC, kNormBwdMinPacks, max_packs_per_thread<VEC>());
+          row_groups(h / VEC, kNormBwdMinPacks, max_packs_per_thread<VEC>(), kNormBwdBlockThreads);
       dispatch_packs_per_thread<VEC>(g.P, [&](auto p_tag) {
         constexpr int P = decltype(p_tag)::value;
         auto kernel = norm_bwd_kernel<T, VEC, P, RMS>;
