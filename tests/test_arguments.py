@@ -127,6 +127,13 @@ BAD = [
 ]
 
 
+def test_logging_and_evaluation_defaults_are_megatrons():
+    """A Megatron script that leaves these out logs and evaluates as it did under Megatron (pretrain_gpt's
+    defaults: --log-interval 100, --eval-interval 1000, --eval-iters 100)."""
+    args = parse_args([])
+    assert (args.log_interval, args.eval_interval, args.eval_iters) == (100, 1000, 100)
+
+
 def test_pipeline_schedule_flag_sets_the_v():
     args = validate_args(parse_args(["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "2",
                                      "--global-batch-size", "16"]), 2)

@@ -197,12 +197,12 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
 def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging, evaluation, checkpoints")
-    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--log-json", default=None, help="append one JSON object per logged iteration")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU (default from the card)")
     g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)

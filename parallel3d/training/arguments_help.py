@@ -53,7 +53,8 @@ HELP: dict[str, str] = {
     "calculate_per_token_loss": "average the loss over all tokens of the step, not per microbatch",
     "seed": "random seed (weights, dropout, data order)", "split": "train,valid,test weights of --data-path",
     "tokenizer_model": "HuggingFaceTokenizer's tokenizer.json (or its directory)",
-    "num_workers": "data-loader worker processes", "dataloader_type": "single (one pass) or cyclic",
+    "num_workers": "data-loader worker processes (Megatron's default is 2; ours, 0, reads in the training "
+    "process)", "dataloader_type": "single (one pass) or cyclic",
     "eod_mask_loss": "no loss on end-of-document tokens", "log_interval": "iterations per log line",
     "tensorboard_dir": "write TensorBoard scalars here", "eval_interval": "iterations between evaluations",
     "eval_iters": "iterations per evaluation", "save": "checkpoint directory to save to",
