@@ -227,9 +227,12 @@ def test_graphs_with_dropout_train_as_the_eager_layers_do(gpu_out):
                     f"rank {rank} iteration {it + 1} {what}: graphs {g} vs eager {w}"
 
 
+# --eval-iters 10: the end-of-training evaluation (Megatron's default 100 batches of each split) would put a few
+# seconds of forward passes between the last iteration and the exit this test times
 TINY_GPT = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
-            "--train-iters", "4", "--log-interval", "1", "--eval-interval", "1000", "--no-progress-bar"]
+            "--train-iters", "4", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "10",
+            "--no-progress-bar"]
 
 
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, this machine has {GPUS}")
